@@ -1,0 +1,23 @@
+"""paddle_hybrid: faster, easier hybrid-parallel training for PaddlePaddle fleet.
+
+``import paddle_hybrid`` before ``fleet.init`` loads the plugin's custom ops and
+installs its components once (see :mod:`paddle_hybrid._install`);
+:func:`uninstall` undoes them.
+"""
+from . import ops
+from ._install import current_config, install, installed_components, uninstall
+from .config import PluginConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ops",
+    "PluginConfig",
+    "install",
+    "uninstall",
+    "installed_components",
+    "current_config",
+    "__version__",
+]
+
+install()

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# The whole test suite, after setting up what it needs (see scripts/env.sh).
+# Extra arguments go to pytest, e.g.  bash scripts/test.sh tests/ops -k nop
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+exec "$PY" -m pytest -q -ra "${@:-tests}"
