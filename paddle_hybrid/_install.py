@@ -15,7 +15,9 @@ from .config import PluginConfig
 __all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "current_config"]
 
 # Module paths, installed in this order and uninstalled in reverse.
-COMPONENTS: list[str] = []
+COMPONENTS: list[str] = [
+    "paddle_hybrid.meta_optimizers",
+]
 
 _lock = threading.RLock()
 _installed: list[str] = []

@@ -1,0 +1,70 @@
+"""Fleet glue: the plugin's meta optimizers and their registration.
+
+Fleet's ``meta_optimizer_factory`` builds its list of meta optimizer names
+once, at import (``from ..meta_optimizers import *``); adding a class to
+``fleet.meta_optimizers`` alone is ignored.  Registration therefore adds each
+class to the factory module's globals and to its ``meta_optimizer_names``
+(where fleet applies it outermost, around the upstream ones), and
+:func:`uninstall` removes exactly what it added.
+
+A meta optimizer class is listed in ``META_OPTIMIZERS`` as
+``"module.path:ClassName"``; it must implement ``_can_apply``,
+``_disable_strategy`` and ``minimize_impl``.
+"""
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["META_OPTIMIZERS", "install", "uninstall", "registered_names"]
+
+# "module:ClassName" of every meta optimizer the plugin registers.
+META_OPTIMIZERS: list[str] = []
+
+_added: list[str] = []
+
+
+def _factory():
+    from paddle.distributed.fleet.base import meta_optimizer_factory
+
+    return meta_optimizer_factory
+
+
+def _load(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def install(config) -> None:
+    if not config.register_meta_optimizers:
+        return
+    factory = _factory()
+    for spec in META_OPTIMIZERS:
+        cls = _load(spec)
+        name = cls.__name__
+        if not name.endswith("Optimizer"):
+            raise ValueError(f"paddle_hybrid: meta optimizer class {name} must end in 'Optimizer'.")
+        for method in ("_can_apply", "_disable_strategy", "minimize_impl"):
+            if method not in vars(cls) and not any(method in vars(b) for b in cls.__mro__[1:-1]
+                                                   if b.__name__ != "MetaOptimizerBase"):
+                raise TypeError(f"paddle_hybrid: meta optimizer {name} does not implement {method}.")
+        if name in factory.meta_optimizer_names or hasattr(factory, name):
+            raise RuntimeError(
+                f"paddle_hybrid: fleet already has a meta optimizer named {name}; refusing to replace it."
+            )
+        setattr(factory, name, cls)
+        factory.meta_optimizer_names.append(name)
+        _added.append(name)
+
+
+def uninstall() -> None:
+    factory = _factory()
+    while _added:
+        name = _added.pop()
+        if name in factory.meta_optimizer_names:
+            factory.meta_optimizer_names.remove(name)
+        if hasattr(factory, name):
+            delattr(factory, name)
+
+
+def registered_names() -> list[str]:
+    return list(_added)
