@@ -38,3 +38,25 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path, repo_root):
     assert proc.returncode == 0, proc.stderr[-3000:]
     syms = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True).stdout
     assert "paddle_hybrid::CudaCopyBytes" in syms and "paddle_hybrid::CudaFillPattern" in syms
+
+
+def test_non_editable_install_builds_and_loads(tmp_path, repo_root):
+    """`pip install .` path: build a wheel, install it into a fresh target dir,
+    import it from there (not from the source tree) and run both ops."""
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+                            repo_root, "-w", str(wheel_dir)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = list(wheel_dir.glob("paddle_hybrid-*.whl"))
+    inst = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                           str(wheel)], capture_output=True, text=True, timeout=300)
+    assert inst.returncode == 0, inst.stderr[-3000:]
+    code = ("import paddle, paddle_hybrid; from paddle_hybrid import ops;"
+            "x = paddle.ones([3]); o, f = ops.coalesce_tensor([x], copy_data=True);"
+            "assert ops.nop(x) is x and float(f.sum()) == 3.0;"
+            "print(paddle_hybrid.__file__)")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().startswith(str(target))
