@@ -1,0 +1,168 @@
+"""Helpers for the static-program tests and benchmarks: comparing legacy programs
+op for op, and building small auto-parallel programs the way Paddle's
+``test_auto_parallel_reshard*.py`` do (no execution).
+
+Build everything under ``paddle.pir_utils.OldIrGuard()``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle import nn
+from paddle.base import framework, unique_name
+from paddle.base.backward import append_backward
+from paddle.base.layer_helper import LayerHelper
+
+__all__ = ["program_signature", "dist_signature", "build_auto_parallel_program", "run_reshard"]
+
+# Attributes that record where an op was built (Python stack), not what it does.
+_PROVENANCE_ATTRS = {"op_callstack", "op_namescope", "with_quant_attr"}
+
+
+def _attr(value):
+    if isinstance(value, framework.Block):
+        return ("block", value.idx)
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr(v) for v in value)
+    if isinstance(value, float) and value != value:
+        return "nan"
+    return value
+
+
+def program_signature(program):
+    """Per block: ops (type, inputs, outputs, attrs) and vars (name, type, shape,
+    dtype, persistable, stop_gradient).  Two programs with equal signatures hold
+    the same ops in the same order on the same variables."""
+    blocks = []
+    for block in program.blocks:
+        ops = []
+        for op in block.ops:
+            ops.append((
+                op.type,
+                tuple((n, tuple(op.input(n))) for n in sorted(op.input_names)),
+                tuple((n, tuple(op.output(n))) for n in sorted(op.output_names)),
+                tuple(sorted((k, _attr(v)) for k, v in op.all_attrs().items()
+                             if k not in _PROVENANCE_ATTRS)),
+            ))
+        vars_ = []
+        for name in sorted(block.vars):
+            v = block.vars[name]
+            shape = tuple(v.shape) if v.type == paddle.base.core.VarDesc.VarType.LOD_TENSOR else None
+            dtype = v.dtype if v.type == paddle.base.core.VarDesc.VarType.LOD_TENSOR else None
+            vars_.append((name, str(v.type), shape, str(dtype), v.persistable, v.stop_gradient))
+        blocks.append((block.idx, block.parent_idx, tuple(ops), tuple(vars_)))
+    return tuple(blocks)
+
+
+def _mesh(mesh):
+    return None if mesh is None else (tuple(mesh.shape), tuple(mesh.process_ids))
+
+
+def dist_signature(program, dist_context):
+    """The distributed attributes of every op and var of ``program``."""
+    out = []
+    for block in program.blocks:
+        for op in block.ops:
+            attr = dist_context.get_op_dist_attr_for_program(op)
+            if attr is None:
+                out.append((op.type, None))
+                continue
+            out.append((
+                op.type,
+                _mesh(attr.process_mesh),
+                attr.impl_type,
+                attr.impl_idx,
+                tuple((n, tuple(attr.get_input_dims_mapping(n) or ())) for n in sorted(op.input_arg_names)),
+                tuple((n, tuple(attr.get_output_dims_mapping(n) or ())) for n in sorted(op.output_arg_names)),
+            ))
+        for name in sorted(block.vars):
+            attr = dist_context.get_tensor_dist_attr_for_program(block.vars[name])
+            out.append((name, None if attr is None else (_mesh(attr.process_mesh), tuple(attr.dims_mapping))))
+    return tuple(out)
+
+
+def _gelu(x):
+    # 3.3.1's F.gelu no longer accepts legacy Variables: append the op directly.
+    helper = LayerHelper("gelu")
+    out = helper.create_variable_for_type_inference(x.dtype)
+    helper.append_op(type="gelu", inputs={"X": x}, outputs={"Out": out}, attrs={"approximate": True})
+    return out
+
+
+def build_auto_parallel_program(rank, *, dp=1, mp=1, pp=2, layers=2, hidden=16, batch=4, layer_norm=False):
+    """A stack of MLP blocks (optional LayerNorm, column-split Linear, gelu,
+    row-split Linear) on ``pp`` stage meshes of shape ``[dp, mp]``, completed,
+    differentiated, partitioned for ``rank`` and given Adam update ops, as
+    Paddle's reshard tests do.  Process groups are reset first, so two calls
+    with the same arguments give the same ring ids.
+
+    Returns ``(main, startup, dist_context, dist_params_grads)``; call
+    :func:`run_reshard` on them.
+    """
+    from paddle.distributed.auto_parallel.static.completion import Completer
+    from paddle.distributed.auto_parallel.static.dist_context import DistributedContext
+    from paddle.distributed.auto_parallel.static.partitioner import Partitioner
+    from paddle.distributed.auto_parallel.static.process_group import clear_all_process_groups
+    from paddle.distributed.fleet import auto
+
+    if not 0 <= rank < dp * mp * pp:
+        raise ValueError(f"rank {rank} is outside the {dp}x{mp}x{pp} cluster")
+    clear_all_process_groups()
+    names = ["dp", "mp"]
+    ids = np.arange(dp * mp * pp).reshape(pp, dp, mp)
+    meshes = [auto.ProcessMesh(ids[s].tolist(), dim_names=names) for s in range(pp)]
+    batch_split = ["dp", None] if dp > 1 else [None, None]
+    col = [None, "mp"] if mp > 1 else [None, None]
+    row = ["mp", None] if mp > 1 else [None, None]
+
+    main, startup = framework.Program(), framework.Program()
+    dist_context = DistributedContext()
+    dist_context.process_mesh = auto.ProcessMesh(ids.tolist(), dim_names=["pp"] + names)
+    with framework.program_guard(main, startup), unique_name.guard():
+        x = paddle.static.data(name="input", shape=[batch, hidden], dtype="float32")
+        label = paddle.static.data(name="label", shape=[batch, hidden], dtype="float32")
+        auto.shard_tensor(x, meshes[0], batch_split)
+        auto.shard_tensor(label, meshes[-1], batch_split)
+        out = x
+        for i in range(layers):
+            mesh = meshes[i * pp // layers]
+            if layer_norm:
+                ln = nn.LayerNorm(hidden)
+                auto.shard_tensor(ln.weight, mesh, [None])
+                auto.shard_tensor(ln.bias, mesh, [None])
+                out = ln(out)
+            l0, l1 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+            auto.shard_tensor(l0.weight, mesh, col)
+            auto.shard_tensor(l1.weight, mesh, row)
+            out = l1(_gelu(l0(out)))
+        loss = paddle.mean(paddle.nn.functional.square_error_cost(out, label))
+
+    completer = Completer(dist_context)
+    main = completer.complete_forward_annotation(main)
+    dist_context.block_state.parse_forward_blocks(main)
+    with framework.program_guard(main, startup):
+        params_grads = append_backward(loss, distop_context=dist_context.dist_op_context)
+    completer.complete_backward_annotation(main)
+    dist_context.block_state.parse_backward_blocks(main)
+    dist_main, dist_startup, dist_params_grads = Partitioner(dist_context, rank).partition(
+        main, startup, params_grads)
+    with framework.program_guard(dist_main, dist_startup), unique_name.guard("opt_"):
+        optimizer = paddle.optimizer.Adam(0.01)
+        optimizer.apply_gradients(dist_params_grads)
+    dist_context._serial_optimizer = optimizer
+    Completer(dist_context).complete_update_annotation(dist_main)
+    return dist_main, dist_startup, dist_context, dist_params_grads
+
+
+def run_reshard(rank, main, startup, dist_context, dist_params_grads):
+    """``Resharder(...).reshard()`` on a program from :func:`build_auto_parallel_program`."""
+    from paddle.distributed.auto_parallel.static.reshard import Resharder
+
+    Resharder(main, startup, rank, dist_context, dist_params_grads).reshard()
+
+
+def process_groups():
+    """(id, ranks, type) of every auto-parallel process group, in creation order."""
+    from paddle.distributed.auto_parallel.static.process_group import get_all_process_groups
+
+    return tuple((g.id, tuple(g.ranks), g.group_type) for g in get_all_process_groups())
