@@ -1,0 +1,367 @@
+"""Train a small GPT with fleet hybrid parallel (pipeline, virtual pipeline, data parallel).
+
+On CPU it runs over gloo (``import paddle_hybrid`` makes fleet's hybrid parallel work
+there); on GPUs it runs as usual with NCCL.  Launch it with
+``python -m paddle.distributed.launch`` and as many processes as ``--pp * --dp``:
+
+    python -m paddle.distributed.launch --nproc_per_node 2 examples/gpt_pp.py
+    python -m paddle.distributed.launch --nproc_per_node 4 examples/gpt_pp.py --pp 2 --dp 2
+    python -m paddle.distributed.launch --nproc_per_node 3 examples/gpt_pp.py --pp 3 --vp 2 --accumulate-steps 6
+
+The model: token embedding shared between the first and the last stage
+(``SharedLayerDesc``, tied LM head), ``--layers`` pre-LayerNorm transformer blocks,
+final LayerNorm.  The data: a character-level corpus generated deterministically
+from ``--seed`` (no download).  Rank 0 prints one line per step; at the end a
+summary, a JSON log and, when matplotlib is installed, a loss-curve PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+# --------------------------------------------------------------------------- arguments
+
+
+class ArgError(ValueError):
+    """Inconsistent command-line arguments; the message names the flag to change."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpt_pp.py",
+        description="Train a small GPT with fleet hybrid parallel (PP / VP / DP) and paddle_hybrid.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree")
+    g.add_argument("--vp", type=int, default=1, help="virtual pipeline chunks per stage (interleaved; needs pp > 2)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch")
+    g.add_argument("--accumulate-steps", type=int, default=4, help="microbatches per step")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    g.add_argument("--hidden", type=int, default=64, help="hidden size")
+    g.add_argument("--heads", type=int, default=4, help="attention heads")
+    g.add_argument("--seq-len", type=int, default=64, help="sequence length (characters)")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    g.add_argument("--corpus-chars", type=int, default=200_000, help="size of the generated corpus")
+    g.add_argument("--corpus-file", default=None, help="train on this UTF-8 text file instead of the generated corpus")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (Adam, cosine decay)")
+    g.add_argument("--warmup-steps", type=int, default=5, help="linear warmup steps")
+    g.add_argument("--seed", type=int, default=1234, help="seed of data, init and dropout")
+    g = p.add_argument_group("paddle_hybrid features")
+    g.add_argument("--fuse-allreduce", action="store_true",
+                   help="data-parallel gradients in persistent fused buckets (strategy.fuse_all_reduce_ops)")
+    g.add_argument("--bucket-mb", type=int, default=32, help="bucket size bound in MB (strategy.fuse_grad_size_in_MB, an int in Paddle)")
+    g.add_argument("--cudagraph", action="store_true",
+                   help="capture pipeline stages into CUDA graphs (PipelineLayer(use_cudagraph=True); eager emulation on CPU)")
+    g.add_argument("--batch-p2p", action="store_true", help="batched p2p communication (pp_configs.use_batch_p2p_comm)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out-dir", default="runs/gpt_pp", help="where the JSON log and the loss PNG go")
+    g.add_argument("--log-every", type=int, default=1, help="print a progress line every N steps")
+    return p
+
+
+def validate(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Check the arguments against each other (and the world size); raise
+    :class:`ArgError` naming the flag to change."""
+    for name in ("pp", "vp", "dp", "micro_batch_size", "accumulate_steps", "layers", "hidden", "heads", "seq_len",
+                 "steps", "log_every"):
+        if getattr(args, name) < 1:
+            raise ArgError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if not 0.0 <= args.dropout < 1.0:
+        raise ArgError(f"--dropout must be in [0, 1), got {args.dropout}.")
+    if args.hidden % args.heads:
+        raise ArgError(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}).")
+    chunks = args.pp * args.vp
+    if args.layers % chunks:
+        raise ArgError(
+            f"--layers ({args.layers}) must be a multiple of --pp x --vp ({chunks}) so every stage/chunk gets "
+            "the same number of blocks."
+        )
+    if args.vp > 1:
+        if args.pp <= 2:
+            raise ArgError("--vp > 1 (interleaved schedule) needs --pp > 2 in Paddle's fleet.")
+        if args.accumulate_steps < 2 * args.pp or args.accumulate_steps % args.pp:
+            raise ArgError(
+                f"--vp > 1 needs --accumulate-steps to be a multiple of --pp and >= 2 x --pp "
+                f"(got {args.accumulate_steps}, pp {args.pp})."
+            )
+    if args.bucket_mb <= 0:
+        raise ArgError(f"--bucket-mb must be > 0, got {args.bucket_mb}.")
+    if world_size is not None and args.pp * args.dp != world_size:
+        raise ArgError(
+            f"--pp x --dp = {args.pp * args.dp} but {world_size} processes were launched; launch with "
+            f"--nproc_per_node {args.pp * args.dp} or change --pp/--dp."
+        )
+    return args
+
+
+# --------------------------------------------------------------------------- data
+
+_SUBJECTS = ["the pipeline", "a stage", "the gradient", "every rank", "the optimizer", "a microbatch",
+             "the scheduler", "the buffer", "each layer", "the model"]
+_VERBS = ["sends", "receives", "reduces", "stores", "replays", "computes", "waits for", "frees", "fuses", "updates"]
+_OBJECTS = ["the activations", "its weights", "one bucket", "the next stage", "a graph", "the loss",
+            "the embeddings", "all tensors", "the last block", "a shared layer"]
+_ENDINGS = [".", " quickly.", " in order.", " once per step.", " on every rank.", " before the update."]
+
+
+def make_corpus(num_chars: int, seed: int) -> str:
+    """A deterministic English-like corpus from a small grammar (same seed, same text)."""
+    rng = np.random.default_rng(seed)
+    parts, n = [], 0
+    while n < num_chars:
+        s = (f"{_SUBJECTS[rng.integers(len(_SUBJECTS))]} {_VERBS[rng.integers(len(_VERBS))]} "
+             f"{_OBJECTS[rng.integers(len(_OBJECTS))]}{_ENDINGS[rng.integers(len(_ENDINGS))]}\n")
+        parts.append(s.capitalize())
+        n += len(s)
+    return "".join(parts)[:num_chars]
+
+
+class CharData:
+    """Character-level token stream; every rank draws the same global batch per step."""
+
+    def __init__(self, text: str, seq_len: int, seed: int):
+        if len(text) < seq_len + 2:
+            raise ValueError(f"the corpus has {len(text)} characters, fewer than --seq-len + 2 ({seq_len + 2}).")
+        self.vocab = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.vocab)}
+        self.ids = np.array([self.stoi[c] for c in text], dtype="int64")
+        self.seq_len, self.seed = seq_len, seed
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def global_batch(self, step: int, batch: int):
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.ids) - self.seq_len - 1, size=batch)
+        x = np.stack([self.ids[s : s + self.seq_len] for s in starts])
+        y = np.stack([self.ids[s + 1 : s + self.seq_len + 1] for s in starts])
+        return x, y
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(args, vocab_size: int, topology):
+    import paddle
+    import paddle.nn as nn
+    import paddle.nn.functional as F
+    from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
+
+    init = nn.initializer.Normal(std=0.02)
+
+    class EmbeddingPipe(nn.Layer):
+        """Token + position embedding; its `weight` is tied to the LM head."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = self.create_parameter([vocab_size, args.hidden], default_initializer=init)
+            self.pos = self.create_parameter([args.seq_len, args.hidden], default_initializer=init)
+            self.drop = nn.Dropout(args.dropout)
+
+        def forward(self, ids):
+            h = F.embedding(ids, self.weight) + self.pos[: ids.shape[1]]
+            return self.drop(h)
+
+    class BlockPipe(nn.Layer):
+        """Pre-LayerNorm transformer block with causal self-attention."""
+
+        def __init__(self):
+            super().__init__()
+            h = args.hidden
+            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+            self.qkv = nn.Linear(h, 3 * h, weight_attr=nn.initializer.Normal(std=0.02))
+            self.proj = nn.Linear(h, h, weight_attr=nn.initializer.Normal(std=0.02 / math.sqrt(2 * args.layers)))
+            self.fc1 = nn.Linear(h, 4 * h, weight_attr=nn.initializer.Normal(std=0.02))
+            self.fc2 = nn.Linear(4 * h, h, weight_attr=nn.initializer.Normal(std=0.02 / math.sqrt(2 * args.layers)))
+            self.drop = nn.Dropout(args.dropout)
+
+        def forward(self, x):
+            b, t, h = x.shape
+            nh = args.heads
+            qkv = self.qkv(self.ln1(x)).reshape([b, t, 3, nh, h // nh]).transpose([2, 0, 3, 1, 4])
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(h // nh)
+            mask = paddle.triu(paddle.full([t, t], float("-inf"), dtype=att.dtype), diagonal=1)
+            att = F.softmax(att + mask, axis=-1)
+            y = paddle.matmul(self.drop(att), v).transpose([0, 2, 1, 3]).reshape([b, t, h])
+            x = x + self.drop(self.proj(y))
+            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+    class FinalNormPipe(nn.LayerNorm):
+        pass
+
+    def lm_head(embedding, x):
+        return paddle.matmul(x, embedding.weight, transpose_y=True)
+
+    class LMLoss(nn.Layer):
+        def forward(self, logits, labels):
+            return F.cross_entropy(logits.reshape([-1, vocab_size]), labels.reshape([-1])).mean()
+
+    descs = [SharedLayerDesc("embed", EmbeddingPipe, shared_weight_attr="weight")]
+    descs += [LayerDesc(BlockPipe) for _ in range(args.layers)]
+    descs += [LayerDesc(FinalNormPipe, args.hidden),
+              SharedLayerDesc("embed", EmbeddingPipe, forward_func=lm_head, shared_weight_attr="weight")]
+    kwargs = {}
+    if args.vp > 1:
+        kwargs["num_virtual_pipeline_stages"] = args.vp
+    return PipelineLayer(layers=descs, topology=topology, loss_fn=LMLoss(), seg_method="layer:BlockPipe",
+                         use_cudagraph=args.cudagraph, **kwargs)
+
+
+def make_strategy(args):
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": 1, "pp_degree": args.pp, "sharding_degree": 1,
+                               "pp_configs": {"use_batch_p2p_comm": bool(args.batch_p2p)}}
+    strategy.pipeline_configs = {"accumulate_steps": args.accumulate_steps, "micro_batch_size": args.micro_batch_size}
+    strategy.fuse_all_reduce_ops = bool(args.fuse_allreduce)
+    strategy.fuse_grad_size_in_MB = args.bucket_mb
+    return strategy
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 60:d}:{seconds % 60:02d}"
+
+
+def save_plot(path: str, losses: list) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("gpt_pp.py training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    import paddle_hybrid  # noqa: F401  (installs the plugin: CPU/gloo support, fused buckets, graphs)
+
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    validate(args, world)
+    if not paddle.is_compiled_with_cuda():
+        paddle.set_device("cpu")
+    paddle.seed(args.seed)
+    np.random.seed(args.seed)
+
+    fleet.init(is_collective=True, strategy=make_strategy(args))
+    hcg = fleet.get_hybrid_communicate_group()
+    rank = dist.get_rank()
+    dp_rank = hcg.get_data_parallel_rank()
+
+    if args.corpus_file:
+        with open(args.corpus_file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = make_corpus(args.corpus_chars, args.seed)
+    data = CharData(text, args.seq_len, args.seed)
+
+    model = build_model(args, data.vocab_size, hcg.topology())
+    sched = paddle.optimizer.lr.LinearWarmup(
+        paddle.optimizer.lr.CosineAnnealingDecay(args.lr, T_max=max(1, args.steps - args.warmup_steps)),
+        warmup_steps=args.warmup_steps, start_lr=args.lr / 10, end_lr=args.lr)
+    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.0,
+                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(opt)
+
+    per_dp = args.micro_batch_size * args.accumulate_steps
+    tokens_per_step = per_dp * args.dp * args.seq_len
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+    if rank == 0:
+        print(f"gpt_pp: pp={args.pp} vp={args.vp} dp={args.dp} | {args.layers} blocks, hidden {args.hidden}, "
+              f"vocab {data.vocab_size}, {n_params} params on stage 0 | {args.accumulate_steps} microbatches x "
+              f"{args.micro_batch_size} x {args.seq_len} tokens per DP rank | fuse_allreduce={args.fuse_allreduce} "
+              f"cudagraph={args.cudagraph}", flush=True)
+
+    losses, step_times = [], []
+    start = time.time()
+    for step in range(args.steps):
+        x, y = data.global_batch(step, per_dp * args.dp)
+        x, y = x[dp_rank * per_dp : (dp_rank + 1) * per_dp], y[dp_rank * per_dp : (dp_rank + 1) * per_dp]
+        t0 = time.time()
+        loss = model.train_batch([paddle.to_tensor(x), paddle.to_tensor(y)], opt, sched)
+        step_times.append(time.time() - t0)
+        losses.append(float(loss))
+        if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            elapsed = time.time() - start
+            remaining = elapsed / (step + 1) * (args.steps - step - 1)
+            print(f"step {step + 1:4d}/{args.steps} | loss {losses[-1]:.4f} | "
+                  f"{tokens_per_step / step_times[-1]:8.0f} tok/s | elapsed {_fmt_time(elapsed)} | "
+                  f"remaining {_fmt_time(remaining)}", flush=True)
+    total = time.time() - start
+
+    head = float(np.mean(losses[: min(5, len(losses))]))
+    tail = float(np.mean(losses[-min(5, len(losses)):]))
+    summary = {
+        "args": vars(args),
+        "world_size": world,
+        "vocab_size": data.vocab_size,
+        "losses": losses,
+        "step_times": step_times,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "loss_drop_pct": 100.0 * (head - tail) / head,
+        "tokens_per_s": tokens_per_step * len(step_times[1:]) / max(1e-9, sum(step_times[1:]))
+        if len(step_times) > 1 else tokens_per_step / step_times[0],
+        "wall_s": total,
+    }
+    if rank == 0:
+        os.makedirs(args.out_dir, exist_ok=True)
+        tag = f"pp{args.pp}_vp{args.vp}_dp{args.dp}" + ("_fused" if args.fuse_allreduce else "") + \
+              ("_graph" if args.cudagraph else "")
+        json_path = os.path.join(args.out_dir, f"{tag}.json")
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=1)
+        png = os.path.join(args.out_dir, f"{tag}_loss.png")
+        plotted = save_plot(png, losses)
+        print(f"done: {args.steps} steps in {_fmt_time(total)} | loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+              f"(mean of first/last 5 steps fell {summary['loss_drop_pct']:.0f}%) | "
+              f"{summary['tokens_per_s']:.0f} tok/s | log {json_path}" + (f" | plot {png}" if plotted else ""),
+              flush=True)
+    if os.environ.get("PADDLE_HYBRID_RESULT_DIR"):
+        from paddle_hybrid.testing import save_result
+
+        save_result({"rank": rank, "losses": losses, "summary": summary})
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ArgError as exc:
+        print(f"gpt_pp.py: error: {exc}", file=sys.stderr)
+        raise SystemExit(2)
