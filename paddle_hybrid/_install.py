@@ -17,6 +17,7 @@ __all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "curren
 # Module paths, installed in this order and uninstalled in reverse.
 COMPONENTS: list[str] = [
     "paddle_hybrid.meta_optimizers",
+    "paddle_hybrid.passes.reshard",
 ]
 
 _lock = threading.RLock()

@@ -32,6 +32,15 @@ class PluginConfig:
     register_meta_optimizers: bool = True
     """Add the plugin's meta optimizers to fleet's factory (``PADDLE_HYBRID_META_OPTIMIZERS``)."""
 
+    reshard_deferred_sync: bool = True
+    """Legacy auto-parallel ``Resharder.reshard`` edits programs without a ``_sync_with_cpp``
+    per inserted op (:mod:`paddle_hybrid.passes.reshard`) (``PADDLE_HYBRID_RESHARD_DEFERRED_SYNC``)."""
+
+    pipeline_send_wait: bool = True
+    """With fleet ``strategy.pipeline`` (static), replace the waits for forward sends by a ``ph_nop``
+    after the matching backward recv (:mod:`paddle_hybrid.passes.pipeline_send_wait`)
+    (``PADDLE_HYBRID_PIPELINE_SEND_WAIT``)."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -42,4 +51,6 @@ class PluginConfig:
     def from_env(cls) -> "PluginConfig":
         return cls(
             register_meta_optimizers=_env_bool("PADDLE_HYBRID_META_OPTIMIZERS", True),
+            reshard_deferred_sync=_env_bool("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", True),
+            pipeline_send_wait=_env_bool("PADDLE_HYBRID_PIPELINE_SEND_WAIT", True),
         )

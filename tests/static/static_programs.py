@@ -155,10 +155,13 @@ def build_auto_parallel_program(rank, *, dp=1, mp=1, pp=2, layers=2, hidden=16, 
 
 
 def run_reshard(rank, main, startup, dist_context, dist_params_grads):
-    """``Resharder(...).reshard()`` on a program from :func:`build_auto_parallel_program`."""
+    """``Resharder(...).reshard()`` on a program from :func:`build_auto_parallel_program`,
+    with fresh unique-name counters (so two runs name new variables alike: reshard's
+    ``LayerHelper`` also counts names on the *default* main program, hence the guard)."""
     from paddle.distributed.auto_parallel.static.reshard import Resharder
 
-    Resharder(main, startup, rank, dist_context, dist_params_grads).reshard()
+    with unique_name.guard(), framework.program_guard(framework.Program(), framework.Program()):
+        Resharder(main, startup, rank, dist_context, dist_params_grads).reshard()
 
 
 def process_groups():
