@@ -18,6 +18,7 @@ __all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "curren
 COMPONENTS: list[str] = [
     "paddle_hybrid.meta_optimizers",
     "paddle_hybrid.passes.reshard",
+    "paddle_hybrid.cpu",
 ]
 
 _lock = threading.RLock()

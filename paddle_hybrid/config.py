@@ -22,6 +22,26 @@ def _env_bool(name: str, default: bool) -> bool:
     raise ValueError(f"paddle_hybrid: environment variable {name}={raw!r} is not a boolean; use 1 or 0.")
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"paddle_hybrid: environment variable {name}={raw!r} is not an integer.") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"paddle_hybrid: environment variable {name}={raw!r} is not a number.") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class PluginConfig:
     """What ``import paddle_hybrid`` installs.
@@ -41,11 +61,32 @@ class PluginConfig:
     after the matching backward recv (:mod:`paddle_hybrid.passes.pipeline_send_wait`)
     (``PADDLE_HYBRID_PIPELINE_SEND_WAIT``)."""
 
+    cpu_hybrid: str = "auto"
+    """Patch fleet so dygraph hybrid parallel runs on CPU over gloo (:mod:`paddle_hybrid.cpu`):
+    ``"auto"`` when Paddle is not compiled with CUDA, ``"on"`` always, ``"off"`` never
+    (``PADDLE_HYBRID_CPU_HYBRID``)."""
+
+    grad_buckets: bool = True
+    """Let the fleet strategy's ``fuse_all_reduce_ops`` turn on the plugin's fused gradient
+    buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.dygraph`); False keeps
+    Paddle's own gradient sync (``PADDLE_HYBRID_GRAD_BUCKETS``)."""
+
+    grad_bucket_max_params: int = 0
+    """Most parameters per gradient bucket, besides ``fuse_grad_size_in_MB``; 0 means no
+    count limit (``PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS``)."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise TypeError(f"PluginConfig.{f.name} must be a bool, got {value!r}.")
+        if self.cpu_hybrid not in ("auto", "on", "off"):
+            raise ValueError(f"PluginConfig.cpu_hybrid must be 'auto', 'on' or 'off', got {self.cpu_hybrid!r} "
+                             "(environment variable PADDLE_HYBRID_CPU_HYBRID).")
+        if (not isinstance(self.grad_bucket_max_params, int) or isinstance(self.grad_bucket_max_params, bool)
+                or self.grad_bucket_max_params < 0):
+            raise ValueError("PluginConfig.grad_bucket_max_params must be an int >= 0 (0: no limit), got "
+                             f"{self.grad_bucket_max_params!r} (PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS).")
 
     @classmethod
     def from_env(cls) -> "PluginConfig":
@@ -53,4 +94,7 @@ class PluginConfig:
             register_meta_optimizers=_env_bool("PADDLE_HYBRID_META_OPTIMIZERS", True),
             reshard_deferred_sync=_env_bool("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", True),
             pipeline_send_wait=_env_bool("PADDLE_HYBRID_PIPELINE_SEND_WAIT", True),
+            cpu_hybrid=(os.environ.get("PADDLE_HYBRID_CPU_HYBRID") or "auto").strip().lower(),
+            grad_buckets=_env_bool("PADDLE_HYBRID_GRAD_BUCKETS", True),
+            grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
         )
