@@ -75,6 +75,14 @@ class PluginConfig:
     """Most parameters per gradient bucket, besides ``fuse_grad_size_in_MB``; 0 means no
     count limit (``PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS``)."""
 
+    static_fuse_allreduce: bool = True
+    """Let fleet apply the plugin's static fused all_reduce meta optimizer
+    (:mod:`paddle_hybrid.meta_optimizers.fuse_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``)."""
+
+    static_layout_check_timeout: float = 120.0
+    """Seconds the cross-rank gradient-layout check of a static data-parallel program waits for
+    the other ranks before raising, > 0 (``PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT``)."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -87,6 +95,9 @@ class PluginConfig:
                 or self.grad_bucket_max_params < 0):
             raise ValueError("PluginConfig.grad_bucket_max_params must be an int >= 0 (0: no limit), got "
                              f"{self.grad_bucket_max_params!r} (PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS).")
+        if not isinstance(self.static_layout_check_timeout, (int, float)) or not self.static_layout_check_timeout > 0:
+            raise ValueError(f"PluginConfig.static_layout_check_timeout must be a number of seconds > 0, got "
+                             f"{self.static_layout_check_timeout!r} (PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT).")
 
     @classmethod
     def from_env(cls) -> "PluginConfig":
@@ -97,4 +108,6 @@ class PluginConfig:
             cpu_hybrid=(os.environ.get("PADDLE_HYBRID_CPU_HYBRID") or "auto").strip().lower(),
             grad_buckets=_env_bool("PADDLE_HYBRID_GRAD_BUCKETS", True),
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
+            static_fuse_allreduce=_env_bool("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE", True),
+            static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", 120.0),
         )

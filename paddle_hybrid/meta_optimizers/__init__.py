@@ -18,7 +18,9 @@ import importlib
 __all__ = ["META_OPTIMIZERS", "install", "uninstall", "registered_names"]
 
 # "module:ClassName" of every meta optimizer the plugin registers.
-META_OPTIMIZERS: list[str] = []
+META_OPTIMIZERS: list[str] = [
+    "paddle_hybrid.meta_optimizers.fuse_allreduce:FusedAllreduceOptimizer",
+]
 
 _added: list[str] = []
 
