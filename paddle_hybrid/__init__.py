@@ -7,6 +7,7 @@ installs its components once (see :mod:`paddle_hybrid._install`);
 from . import ops
 from ._install import current_config, install, installed_components, uninstall
 from .config import PluginConfig
+from .cuda_graph import CUDAGraphedLayer, GraphPool
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,8 @@ __all__ = [
     "installed_components",
     "current_config",
     "__version__",
+    "CUDAGraphedLayer",
+    "GraphPool",
 ]
 
 install()

@@ -83,6 +83,20 @@ class PluginConfig:
     """Seconds the cross-rank gradient-layout check of a static data-parallel program waits for
     the other ranks before raising, > 0 (``PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT``)."""
 
+    pipeline_cudagraph: bool = True
+    """``PipelineLayer(use_cudagraph=True)`` builds the plugin's ``CUDAGraphedLayer`` (every
+    parameter trained, one shared memory pool per model) instead of Paddle's
+    (:mod:`paddle_hybrid.cuda_graph.pipeline`) (``PADDLE_HYBRID_PIPELINE_CUDAGRAPH``)."""
+
+    cuda_graph_warmup_steps: int = 3
+    """Eager warmup runs before a pipeline layer's first graph capture, >= 0
+    (``PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS``)."""
+
+    cuda_malloc_async: bool = False
+    """Set ``FLAGS_use_cuda_malloc_async_allocator`` at ``import paddle_hybrid``; Paddle reads it
+    once, when the GPU allocator is built, so import the plugin before creating GPU tensors
+    (``PADDLE_HYBRID_CUDA_MALLOC_ASYNC``)."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -98,6 +112,10 @@ class PluginConfig:
         if not isinstance(self.static_layout_check_timeout, (int, float)) or not self.static_layout_check_timeout > 0:
             raise ValueError(f"PluginConfig.static_layout_check_timeout must be a number of seconds > 0, got "
                              f"{self.static_layout_check_timeout!r} (PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT).")
+        if (not isinstance(self.cuda_graph_warmup_steps, int) or isinstance(self.cuda_graph_warmup_steps, bool)
+                or self.cuda_graph_warmup_steps < 0):
+            raise ValueError("PluginConfig.cuda_graph_warmup_steps must be an int >= 0, got "
+                             f"{self.cuda_graph_warmup_steps!r} (PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS).")
 
     @classmethod
     def from_env(cls) -> "PluginConfig":
@@ -110,4 +128,7 @@ class PluginConfig:
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
             static_fuse_allreduce=_env_bool("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE", True),
             static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", 120.0),
+            pipeline_cudagraph=_env_bool("PADDLE_HYBRID_PIPELINE_CUDAGRAPH", True),
+            cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
+            cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),
         )

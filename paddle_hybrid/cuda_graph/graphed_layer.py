@@ -149,6 +149,8 @@ class GraphPool:
         self.cycle = 0
         self.in_flight = 0
         self.layers: List["CUDAGraphedLayer"] = []
+        # Test hook: the order check can be turned off to show what it prevents.
+        self._check_order = True
 
     @property
     def handle(self):
@@ -164,7 +166,7 @@ class GraphPool:
         return graph, position
 
     def check_replay_order(self, position: int, what: str) -> None:
-        if position <= self._last_position:
+        if position <= self._last_position and self._check_order:
             raise GraphOrderError(
                 f"{what} would replay out of capture order in this cycle (captured at "
                 f"position {position}, a graph captured at {self._last_position} already ran). "
@@ -384,9 +386,14 @@ class CUDAGraphedLayer(paddle.nn.Layer):
     def num_signatures(self) -> int:
         return len(self._pairs)
 
+    def _training_mode(self) -> bool:
+        # PipelineLayer (1F1B) registers the wrapped layers, not this wrapper, as
+        # its sublayers, so .eval() may reach only them: look at all of them.
+        return self.training and all(l.training for l in self.layer.sublayers(include_self=True))
+
     # -- forward ---------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if not self.training or not paddle.is_grad_enabled():
+        if not self._training_mode() or not paddle.is_grad_enabled():
             return self.layer(*args, **kwargs)
         leaves: list = []
         spec = _flatten((args, kwargs), leaves)
@@ -511,10 +518,11 @@ class CUDAGraphedLayer(paddle.nn.Layer):
                 "microbatch whose backward has not run; refilling its static buffers now would "
                 "give that backward another microbatch's data."
             )
+        if pair.fwd is not None:  # every check before any buffer is touched
+            self._pool.check_replay_order(pair.fwd_position, f"forward graph {index} of {type(self.layer).__name__}")
         with paddle.no_grad():
             for s, t in zip(pair.static_inputs, leaves):
                 paddle.assign(t.detach(), output=s)
-        what = f"forward graph {index} of {type(self.layer).__name__}"
         if pair.fwd is None:
             if sig.key not in self._warmed:
                 self._warmup(sig, pair)
@@ -534,7 +542,6 @@ class CUDAGraphedLayer(paddle.nn.Layer):
             outs = pair.fwd.autograd_outputs()
             pair.out_diff = [i for i, t in enumerate(outs) if _is_float(t) and not t.stop_gradient]
         else:
-            self._pool.check_replay_order(pair.fwd_position, what)
             pair.fwd.replay()
         pair.state = _GraphPair.IN_FLIGHT
         pair.generation += 1
@@ -570,6 +577,8 @@ class CUDAGraphedLayer(paddle.nn.Layer):
             )
         sig = entry.sig
         diff = pair.out_diff
+        if pair.bwd is not None:
+            self._pool.check_replay_order(pair.bwd_position, f"backward graph {pair.index} of {name}")
         with paddle.no_grad():
             if pair.static_dys is None:
                 pair.static_dys = [paddle.zeros(pair.fwd.outputs[i].shape, dtype=pair.fwd.outputs[i].dtype)
@@ -580,7 +589,6 @@ class CUDAGraphedLayer(paddle.nn.Layer):
                     s.zero_()
                 else:
                     paddle.assign(dy.detach(), output=s)
-        what = f"backward graph {pair.index} of {name}"
         if pair.bwd is None:
             targets = self._grad_targets(sig, pair)
 
@@ -592,7 +600,6 @@ class CUDAGraphedLayer(paddle.nn.Layer):
 
             pair.bwd, pair.bwd_position = self._pool.capture(body)
         else:
-            self._pool.check_replay_order(pair.bwd_position, what)
             pair.bwd.replay()
         grads = pair.bwd.outputs
         n_in_grad = sum(1 for t in pair.static_inputs if not t.stop_gradient)
