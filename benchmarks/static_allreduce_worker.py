@@ -1,0 +1,128 @@
+"""Worker of bench_static_allreduce.py: one rank of a 2-rank static DP step.
+
+Model: a chain of ``--layers`` Linear(``--width``) layers (2 gradients each).
+Variants, measured side by side in one process, rounds interleaved:
+
+* ``unfused``: fleet + plugin with ``fuse_all_reduce_ops=False`` (one all_reduce per gradient);
+* ``fused``: fleet + plugin, one group (``fuse_grad_size_in_num`` large);
+* ``fused_num8``: fleet + plugin with Paddle's default 8 gradients per group;
+* ``limit``: the same single-process training step plus ONE all_reduce of a
+  preallocated persistable buffer with the bytes of all gradients, run
+  through the same PIR path (no coalesce, no copy back).
+"""
+import argparse
+import time
+
+import numpy as np
+import paddle
+import paddle.distributed.fleet as fleet
+from paddle.pir_utils import OldIrGuard
+from paddle.utils import unique_name
+
+import paddle_hybrid  # noqa: F401
+from paddle_hybrid.pir_compat import translate_with_repair
+from paddle_hybrid.static_runtime import StaticRunner, ensure_process_group
+from paddle_hybrid.testing import save_result
+
+
+def model(batch, width, layers):
+    x = paddle.static.data("x", [batch, width], "float32")
+    h = x
+    for _ in range(layers):
+        h = paddle.nn.functional.relu(paddle.nn.Linear(width, width)(h))
+    loss = paddle.mean(paddle.square(h))
+    return x, loss
+
+
+def build_dp(args, fuse, num):
+    strategy = fleet.DistributedStrategy()
+    strategy.fuse_all_reduce_ops = fuse
+    strategy.fuse_grad_size_in_MB = 64
+    strategy.fuse_grad_size_in_num = num
+    scope = paddle.static.Scope()
+    with OldIrGuard(), unique_name.guard(), paddle.static.scope_guard(scope):
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        with paddle.static.program_guard(main, startup):
+            x, loss = model(args.batch, args.width, args.layers)
+            fleet.distributed_optimizer(paddle.optimizer.SGD(0.01), strategy).minimize(loss)
+        runner = StaticRunner(main, startup)
+        runner.run_startup()
+    n_ar = [op.type for op in main.global_block().ops].count("all_reduce")
+    n_grads = sum(len(g.slots) for g in runner.layout.groups)
+
+    def step(feed):
+        with paddle.static.scope_guard(scope):
+            runner.run(feed=feed, fetch_list=[loss])
+
+    return step, n_ar, n_grads
+
+
+def build_limit(args):
+    scope = paddle.static.Scope()
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    with OldIrGuard(), unique_name.guard(), paddle.static.scope_guard(scope):
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        with paddle.static.program_guard(main, startup):
+            x, loss = model(args.batch, args.width, args.layers)
+            _, pg = paddle.optimizer.SGD(0.01).minimize(loss)
+            numel = sum(int(np.prod(g.shape)) for _, g in pg)
+            buf = paddle.static.create_global_var([numel], 0.0, "float32", persistable=True, name="ph_bench_buf")
+            main.global_block().append_op(
+                type="all_reduce", inputs={"x": [buf]}, outputs={"out": [buf]}, attrs={"ring_id": 0, "reduce_type": 0}
+            )
+        exe.run(startup)
+        prog, mapping = translate_with_repair(main)
+    fetch = [mapping[loss.name][-1]]
+
+    def step(feed):
+        with paddle.static.scope_guard(scope), paddle.pir_utils.IrGuard():
+            exe.run(prog, feed=feed, fetch_list=fetch)
+
+    return step, 1, len(pg), numel * 4
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=110)
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    paddle.enable_static()
+    fleet.init(is_collective=True)
+    ensure_process_group()
+    rank = fleet.worker_index()
+    variants = {}
+    s, n, g = build_dp(args, fuse=False, num=8)
+    variants["unfused"] = dict(step=s, allreduce=n, grads=g)
+    s, n, g = build_dp(args, fuse=True, num=100000)
+    variants["fused"] = dict(step=s, allreduce=n, grads=g)
+    s, n, g = build_dp(args, fuse=True, num=8)
+    variants["fused_num8"] = dict(step=s, allreduce=n, grads=g)
+    s, n, g, nbytes = build_limit(args)
+    variants["limit"] = dict(step=s, allreduce=n, grads=g)
+    feed = {"x": np.random.default_rng(rank).standard_normal((args.batch, args.width)).astype("float32")}
+    times = {k: [] for k in variants}
+    for k, v in variants.items():  # warm up (first run translates and builds the executor)
+        for _ in range(3):
+            v["step"](feed)
+    for _ in range(args.rounds):
+        for k, v in variants.items():
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                v["step"](feed)
+                times[k].append(time.perf_counter() - t0)
+    save_result({
+        "rank": rank,
+        "grad_bytes": nbytes,
+        "variants": {
+            k: {"allreduce": v["allreduce"], "grads": v["grads"], "median_ms": 1000 * float(np.median(times[k])),
+                "p10_ms": 1000 * float(np.percentile(times[k], 10)), "p90_ms": 1000 * float(np.percentile(times[k], 90))}
+            for k, v in variants.items()
+        },
+    })
+
+
+if __name__ == "__main__":
+    main()
