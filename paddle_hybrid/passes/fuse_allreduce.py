@@ -14,6 +14,7 @@ optimizer ops are already appended:
        ph_coalesce_tensor(copy_data=True, use_align=False)  grads -> fused
        all_reduce(fused, SUM)
        split(fused) -> parts;  reshape2(part_i) -> grad_i    # copy back
+                                                   # (1-D grads: split writes them directly)
 
    The copy back makes every later reader of a gradient (optimizer ops,
    clipping) read a value computed *from the reduced fused buffer*: a data
@@ -350,6 +351,9 @@ def _insert_group(block, pos: int, group: Group, ring_id: int) -> Group:
     ]
     parts = []
     for s in group.slots:
+        if len(s.shape) == 1:  # split writes 1-D gradients directly, no reshape needed
+            parts.append(s.name)
+            continue
         parts.append(
             block.create_var(
                 name=unique_name.generate(FUSED_PREFIX + "_part"),
@@ -368,6 +372,8 @@ def _insert_group(block, pos: int, group: Group, ring_id: int) -> Group:
         )
     )
     for s, part in zip(group.slots, parts):
+        if part == s.name:
+            continue
         xshape = block.create_var(
             name=unique_name.generate(FUSED_PREFIX + "_xshape"),
             dtype=fused.dtype,
