@@ -89,15 +89,22 @@ def _gelu(x):
     return out
 
 
-def build_auto_parallel_program(rank, *, dp=1, mp=1, pp=2, layers=2, hidden=16, batch=4, layer_norm=False):
+def build_auto_parallel_program(rank, *, dp=1, mp=1, pp=2, layers=2, hidden=16, batch=4, layer_norm=False,
+                                stress=False):
     """A stack of MLP blocks (optional LayerNorm, column-split Linear, gelu,
-    row-split Linear) on ``pp`` stage meshes of shape ``[dp, mp]``, completed,
-    differentiated, partitioned for ``rank`` and given Adam update ops, as
-    Paddle's reshard tests do.  Process groups are reset first, so two calls
-    with the same arguments give the same ring ids.
+    row-split Linear) on ``pp`` stage meshes of shape ``[dp, mp]``, contiguous
+    runs of blocks per stage, completed, differentiated, partitioned for
+    ``rank`` and given Adam update ops, as Paddle's reshard tests do.
 
-    Returns ``(main, startup, dist_context, dist_params_grads)``; call
-    :func:`run_reshard` on them.
+    ``stress`` makes reshard insert many ops (the benchmark's case): block
+    ``i``'s column-split half sits on stage ``2i % pp`` and its row half on
+    stage ``(2i + 1) % pp``, on that stage's mesh transposed (shape
+    ``[mp, dp]``) with a replicated weight, so every block boundary gathers
+    all ``mp`` pieces (a recv and a concat per piece) and scatters gradients back.
+
+    Process groups are reset first, so two calls with the same arguments give
+    the same ring ids.  Returns ``(main, startup, dist_context,
+    dist_params_grads)``; call :func:`run_reshard` on them.
     """
     from paddle.distributed.auto_parallel.static.completion import Completer
     from paddle.distributed.auto_parallel.static.dist_context import DistributedContext
@@ -111,9 +118,11 @@ def build_auto_parallel_program(rank, *, dp=1, mp=1, pp=2, layers=2, hidden=16, 
     names = ["dp", "mp"]
     ids = np.arange(dp * mp * pp).reshape(pp, dp, mp)
     meshes = [auto.ProcessMesh(ids[s].tolist(), dim_names=names) for s in range(pp)]
+    row_meshes = [auto.ProcessMesh(ids[s].T.tolist(), dim_names=names[::-1]) for s in range(pp)] \
+        if stress else meshes
     batch_split = ["dp", None] if dp > 1 else [None, None]
     col = [None, "mp"] if mp > 1 else [None, None]
-    row = ["mp", None] if mp > 1 else [None, None]
+    row = ["mp", None] if mp > 1 and not stress else [None, None]
 
     main, startup = framework.Program(), framework.Program()
     dist_context = DistributedContext()
@@ -125,7 +134,9 @@ def build_auto_parallel_program(rank, *, dp=1, mp=1, pp=2, layers=2, hidden=16, 
         auto.shard_tensor(label, meshes[-1], batch_split)
         out = x
         for i in range(layers):
-            mesh = meshes[i * pp // layers]
+            stage = (2 * i) % pp if stress else i * pp // layers
+            row_stage = (2 * i + 1) % pp if stress else stage
+            mesh = meshes[stage]
             if layer_norm:
                 ln = nn.LayerNorm(hidden)
                 auto.shard_tensor(ln.weight, mesh, [None])
@@ -133,7 +144,7 @@ def build_auto_parallel_program(rank, *, dp=1, mp=1, pp=2, layers=2, hidden=16, 
                 out = ln(out)
             l0, l1 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
             auto.shard_tensor(l0.weight, mesh, col)
-            auto.shard_tensor(l1.weight, mesh, row)
+            auto.shard_tensor(l1.weight, row_meshes[row_stage], row)
             out = l1(_gelu(l0(out)))
         loss = paddle.mean(paddle.nn.functional.square_error_cost(out, label))
 

@@ -19,16 +19,17 @@ from static_programs import (
     run_reshard,
 )
 
-# (dp, mp, pp, layers, rank): dp x pp, mp x pp and dp x mp x pp meshes, ranks on
-# first, middle and last stages.
+# (dp, mp, pp, layers, rank, stress): dp x pp, mp x pp and dp x mp x pp meshes,
+# ranks on first, middle and last stages; stress: the benchmark's layout, small.
 CASES = [
-    (2, 1, 2, 2, 0),
-    (2, 1, 2, 2, 3),
-    (1, 2, 2, 2, 0),
-    (1, 2, 2, 4, 3),
-    (1, 2, 3, 3, 2),
-    (2, 2, 2, 2, 1),
-    (2, 2, 2, 4, 6),
+    (2, 1, 2, 2, 0, False),
+    (2, 1, 2, 2, 3, False),
+    (1, 2, 2, 2, 0, False),
+    (1, 2, 2, 4, 3, False),
+    (1, 2, 3, 3, 2, False),
+    (2, 2, 2, 2, 1, False),
+    (2, 2, 2, 4, 6, False),
+    (1, 4, 2, 4, 4, True),
 ]
 
 
@@ -77,9 +78,9 @@ def test_installed_by_import():
     assert Resharder.reshard.__paddle_hybrid_original__ is not None
 
 
-@pytest.mark.parametrize("dp,mp,pp,layers,rank", CASES)
-def test_identical_program_and_fewer_syncs(plugin_reshard, dp, mp, pp, layers, rank):
-    kw = dict(dp=dp, mp=mp, pp=pp, layers=layers, layer_norm=(layers > 2))
+@pytest.mark.parametrize("dp,mp,pp,layers,rank,stress", CASES)
+def test_identical_program_and_fewer_syncs(plugin_reshard, dp, mp, pp, layers, rank, stress):
+    kw = dict(dp=dp, mp=mp, pp=pp, layers=layers, layer_norm=(layers > 2), stress=stress, batch=max(4, mp))
     stock = _resharded(rank, installed=False, **kw)
     plugin = _resharded(rank, installed=True, **kw)
     assert stock["changed"] > 0, "the case must make reshard insert ops"
