@@ -2,7 +2,7 @@
 # The main job: the example on 2 CPU processes (gloo), after setting up what it
 # needs (see scripts/env.sh).  Extra arguments go to the example.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-MAIN="${PADDLE_HYBRID_MAIN:-examples/ops_2proc.py}"
+MAIN="${PADDLE_HYBRID_MAIN:-examples/gpt_pp.py}"
 NPROC="${PADDLE_HYBRID_NPROC:-2}"
 LOG_DIR="${PADDLE_HYBRID_LOG_DIR:-runs/log}"
 mkdir -p "$LOG_DIR"
