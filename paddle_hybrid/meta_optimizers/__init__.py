@@ -20,6 +20,7 @@ __all__ = ["META_OPTIMIZERS", "install", "uninstall", "registered_names"]
 # "module:ClassName" of every meta optimizer the plugin registers.
 META_OPTIMIZERS: list[str] = [
     "paddle_hybrid.meta_optimizers.fuse_allreduce:FusedAllreduceOptimizer",
+    "paddle_hybrid.meta_optimizers.pipeline_send_wait:PipelineSendWaitOptimizer",
 ]
 
 _added: list[str] = []

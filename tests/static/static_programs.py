@@ -6,6 +6,8 @@ Build everything under ``paddle.pir_utils.OldIrGuard()``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import paddle
 from paddle import nn
@@ -13,7 +15,8 @@ from paddle.base import framework, unique_name
 from paddle.base.backward import append_backward
 from paddle.base.layer_helper import LayerHelper
 
-__all__ = ["program_signature", "dist_signature", "build_auto_parallel_program", "run_reshard"]
+__all__ = ["program_signature", "dist_signature", "build_auto_parallel_program", "run_reshard",
+           "build_pipeline_program", "pipeline_places_on_cpu"]
 
 # Attributes that record where an op was built (Python stack), not what it does.
 _PROVENANCE_ATTRS = {"op_callstack", "op_namescope", "with_quant_attr"}
@@ -180,3 +183,87 @@ def process_groups():
     from paddle.distributed.auto_parallel.static.process_group import get_all_process_groups
 
     return tuple((g.id, tuple(g.ranks), g.group_type) for g in get_all_process_groups())
+
+
+@contextlib.contextmanager
+def pipeline_places_on_cpu():
+    """Let ``PipelineOptimizer.minimize`` finish on a CPU build.
+
+    Its last step indexes ``place_list``, which it fills only when Paddle is
+    compiled with CUDA; everything before (the section program) is built
+    already.  Inside this context the pipeline module sees a ``core`` whose
+    ``is_compiled_with_cuda()`` is True and whose ``CUDAPlace`` is a CPUPlace.
+    Restored on exit.
+    """
+    import paddle.incubate.optimizer.pipeline as pipeline_module
+
+    real = pipeline_module.core
+
+    class _Core:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def is_compiled_with_cuda():
+            return True
+
+        @staticmethod
+        def CUDAPlace(_index):
+            return paddle.CPUPlace()
+
+    pipeline_module.core = _Core()
+    try:
+        yield
+    finally:
+        pipeline_module.core = real
+
+
+def build_pipeline_program(stage, *, stages=2, schedule="1F1B", recompute=False, branches=1, width=8,
+                           micro_batch=2, microbatches=2, upstream_send_sync_opt=True):
+    """The section program of ``stage`` built by Paddle's ``PipelineOptimizer``
+    (what fleet's pipeline meta optimizer drives), without executing anything.
+
+    The model has ``branches`` parallel chains of ``fc`` layers, one layer per
+    chain on each of ``stages`` stages, so each stage but the last sends
+    ``branches`` activations forward (``fc`` outputs that the stage's own
+    backward never reads).  ``recompute`` wraps the optimizer in
+    ``RecomputeOptimizer`` with the stage outputs as checkpoints.
+    ``upstream_send_sync_opt=False`` switches off upstream's
+    ``_optimize_forward_send_sync`` (1F1B programs then keep their
+    ``c_sync_comm_stream`` per forward send).  Build under ``OldIrGuard``.
+    """
+    from paddle.incubate.optimizer import PipelineOptimizer, RecomputeOptimizer
+
+    main, startup = framework.Program(), framework.Program()
+    with framework.program_guard(main, startup), unique_name.guard():
+        x = paddle.static.data("x", [micro_batch, width], "float32")
+        y = paddle.static.data("y", [micro_batch, width], "float32")
+        hs, checkpoints = [x] * branches, []
+        for s in range(stages):
+            with paddle.static.device_guard(f"gpu:{s}"):
+                hs = [paddle.static.nn.fc(h, width) for h in hs]
+                checkpoints.extend(hs)
+        with paddle.static.device_guard(f"gpu:{stages - 1}"):
+            total = hs[0]
+            for h in hs[1:]:
+                total = total + h
+            loss = paddle.mean((total - y) ** 2)
+        optimizer = paddle.optimizer.SGD(0.1)
+        if recompute:
+            sgd, optimizer = optimizer, RecomputeOptimizer(optimizer)
+            optimizer._set_checkpoints(checkpoints[: -branches])
+            optimizer.inner_opt = sgd  # as fleet's meta-optimizer chain does: PipelineOptimizer unwraps it
+        optimizer = PipelineOptimizer(optimizer, num_microbatches=microbatches)
+        main._pipeline_opt = {
+            "local_rank": stage, "schedule_mode": schedule, "micro_batch_size": micro_batch,
+            "ring_id": 20, "global_ring_id": 1, "use_sharding": False, "mp_degree": 1, "mp_rank": 0,
+        }
+        saved = PipelineOptimizer._optimize_forward_send_sync
+        if not upstream_send_sync_opt:
+            PipelineOptimizer._optimize_forward_send_sync = lambda self, program: None
+        try:
+            with pipeline_places_on_cpu():
+                optimizer.minimize(loss, startup)
+        finally:
+            PipelineOptimizer._optimize_forward_send_sync = saved
+    return main._pipeline_opt["section_program"]
