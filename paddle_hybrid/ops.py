@@ -39,6 +39,11 @@ __all__ = [
     "COALESCE_IN",
     "COALESCE_OUT",
     "COALESCE_FUSED",
+    "UNCOALESCE_OP",
+    "UNCOALESCE_IN",
+    "UNCOALESCE_FUSED",
+    "UNCOALESCE_OUT",
+    "uncoalesce_tensor",
     "PirAliasingError",
     "nop",
     "coalesce_tensor",
@@ -54,6 +59,8 @@ COALESCE_OP = "ph_coalesce_tensor"
 # Paddle's "@VECTOR" suffix): use them with Block._insert_op_without_sync.
 NOP_IN, NOP_OUT = "X@VECTOR", "Out@VECTOR"
 COALESCE_IN, COALESCE_OUT, COALESCE_FUSED = "Input@VECTOR", "Output@VECTOR", "FusedOutput"
+UNCOALESCE_OP = "ph_uncoalesce_tensor"
+UNCOALESCE_IN, UNCOALESCE_FUSED, UNCOALESCE_OUT = "X@VECTOR", "Fused", "Out@VECTOR"
 
 _LIB_NAME = "_custom_ops.so"
 _DTYPE_SIZES = {
@@ -91,7 +98,7 @@ def _load() -> list:
     from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
     names = load_op_meta_info_and_register_op(path)
-    missing = {NOP_OP, COALESCE_OP} - set(names)
+    missing = {NOP_OP, COALESCE_OP, UNCOALESCE_OP} - set(names)
     if missing:
         raise ImportError(
             f"paddle_hybrid: {path} registered {sorted(names)} but not {sorted(missing)}; "
@@ -330,3 +337,44 @@ def coalesce_tensor(
         attrs=attrs,
     )
     return list(ts), fused
+
+
+# --------------------------------------------------------------------------- uncoalesce_tensor
+def uncoalesce_tensor(fused, tensors: Sequence, use_align: bool = True, align_size: int = -1):
+    """Copy each tensor's slice of ``fused`` back into the tensor, in place;
+    returns the tensors (in PIR: the op's in-place results).
+
+    The inverse of :func:`coalesce_tensor` with the same ``use_align`` /
+    ``align_size``: offsets are the ones ``coalesce_tensor`` gave.  Where the
+    tensors already alias ``fused`` (dygraph, legacy static) the copy is
+    skipped; under PIR, where they cannot alias, this is how writes through the
+    fused buffer reach the tensors, with a data dependency on ``fused``.
+    Every mode; every tensor must be initialised and have ``fused``'s dtype.
+    """
+    ts = _check_tensors(tensors, "uncoalesce_tensor")
+    (fused_checked,) = _check_tensors([fused], "uncoalesce_tensor")
+    attrs = coalesce_attrs(fused_checked.dtype, use_align=use_align, align_size=align_size)
+    want = attrs["dtype"]
+    for i, t in enumerate(ts):
+        if dtype_name(t.dtype) != want:
+            raise ValueError(
+                f"paddle_hybrid.ops.uncoalesce_tensor: tensor {i} is {dtype_name(t.dtype)} but the fused "
+                f"buffer is {want}; pass the tensors that were coalesced into it."
+            )
+    mode = _mode()
+    args = [attrs["use_align"], attrs["align_size"]]
+    if mode == "dygraph":
+        with paddle.no_grad(), _InplaceAllowed(ts):
+            _C_ops._run_custom_op(UNCOALESCE_OP, ts, fused, *args)
+        return list(ts)
+    if mode == "pir":
+        out = _C_ops._run_custom_op(UNCOALESCE_OP, ts, fused, *args)
+        return list(out[0]) if len(out) == 1 and isinstance(out[0], (list, tuple)) else list(out)
+    block = framework.default_main_program().current_block()
+    block.append_op(
+        type=UNCOALESCE_OP,
+        inputs={UNCOALESCE_IN: ts, UNCOALESCE_FUSED: [fused]},
+        outputs={UNCOALESCE_OUT: ts},
+        attrs={"use_align": attrs["use_align"], "align_size": attrs["align_size"]},
+    )
+    return list(ts)

@@ -31,6 +31,7 @@ _REPAIRABLE = {
         ("dtype", "copy_data", "set_constant", "constant", "use_align", "align_size"),
     ),
     f"custom_op.{ops.NOP_OP}_": (ops.NOP_OP, ()),
+    f"custom_op.{ops.UNCOALESCE_OP}_": (ops.UNCOALESCE_OP, ("use_align", "align_size")),
 }
 
 
@@ -40,7 +41,8 @@ def _is_broken(op) -> bool:
 
 
 def repair_custom_vector_ops(program, name_to_values: dict | None = None) -> int:
-    """Rebuild every mis-translated ``ph_coalesce_tensor`` / ``ph_nop`` op of
+    """Rebuild every mis-translated ``ph_coalesce_tensor`` / ``ph_nop`` /
+    ``ph_uncoalesce_tensor`` op of
     ``program`` (a PIR program); returns how many were rebuilt.
 
     ``name_to_values`` (the mapping of ``translate_to_pir_with_param_map``) is
@@ -60,10 +62,12 @@ def repair_custom_vector_ops(program, name_to_values: dict | None = None) -> int
             name, attr_order = spec
             combine = op.operand_source(0).get_defining_op()
             inputs = [combine.operand_source(i) for i in range(combine.num_operands())]
+            extra = [op.operand_source(i) for i in range(1, op.num_operands())]
             attrs = op.attrs()
+            later = _ops_after(block, op)
             with paddle.pir_utils.IrGuard(), paddle.static.program_guard(program):
                 paddle.pir.set_insertion_point(op)
-                new = _C_ops._run_custom_op(name, inputs, *[attrs[a] for a in attr_order])
+                new = _C_ops._run_custom_op(name, inputs, *extra, *[attrs[a] for a in attr_order])
                 paddle.pir.reset_insertion_point_to_end()
             new = list(new)
             n_vec = len(inputs)
@@ -74,6 +78,15 @@ def repair_custom_vector_ops(program, name_to_values: dict | None = None) -> int
             pairs = [(old[0], new_vec[0])] + list(zip(old[1:], new_rest))
             for o, n in pairs:
                 o.replace_all_uses_with(n)
+            # The translator bound only the first vector name to the broken
+            # op; later readers of the other names still read the values from
+            # before it.  Point them at the op's in-place results.
+            for k in range(1, n_vec):
+                _rewire_later_uses(inputs[k], new_vec[k], later)
+                if name_to_values:
+                    for values in name_to_values.values():
+                        if values and values[-1].is_same(inputs[k]):
+                            values.append(new_vec[k])
             if name_to_values:
                 for values in name_to_values.values():
                     for k, v in enumerate(values):
@@ -85,6 +98,26 @@ def repair_custom_vector_ops(program, name_to_values: dict | None = None) -> int
                 combine.erase()
             repaired += 1
     return repaired
+
+
+def _ops_after(block, op) -> set:
+    """Ids of the ops that follow ``op`` in ``block``."""
+    ids, seen = set(), False
+    for o in block.ops:
+        if seen:
+            ids.add(o.id())
+        elif o.id() == op.id():
+            seen = True
+    return ids
+
+
+def _rewire_later_uses(old, new, later_ids: set) -> None:
+    for user in old.all_used_ops():
+        if user.id() not in later_ids:
+            continue
+        for i in range(user.num_operands()):
+            if user.operand_source(i).is_same(old):
+                user.operand(i).set_source(new)
 
 
 def translate_with_repair(legacy_program):

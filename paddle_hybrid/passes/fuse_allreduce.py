@@ -13,15 +13,15 @@ optimizer ops are already appended:
 
        ph_coalesce_tensor(copy_data=True, use_align=False)  grads -> fused
        all_reduce(fused, SUM)
-       split(fused) -> parts;  reshape2(part_i) -> grad_i    # copy back
-                                                   # (1-D grads: split writes them directly)
+       ph_uncoalesce_tensor(grads, fused) -> grads             # copy back
 
    The copy back makes every later reader of a gradient (optimizer ops,
    clipping) read a value computed *from the reduced fused buffer*: a data
    dependency, not an aliasing assumption.  That is what makes the rewrite
    exact under PIR, where a custom op cannot alias its outputs into the fused
    buffer (``paddle_hybrid.ops``), and it stays correct where it does alias
-   (dygraph-style legacy execution on GPU): the copy is then a self-copy.
+   (legacy execution on GPU): the op then sees the same address and skips
+   the copy.
 
 With ``fuse=False`` every gradient gets its own ``all_reduce`` right after its
 last producer (the unfused baseline, same scaling).
@@ -349,46 +349,14 @@ def _insert_group(block, pos: int, group: Group, ring_id: int) -> Group:
             attrs={"ring_id": ring_id, "reduce_type": _REDUCE_SUM, **role},
         ),
     ]
-    parts = []
-    for s in group.slots:
-        if len(s.shape) == 1:  # split writes 1-D gradients directly, no reshape needed
-            parts.append(s.name)
-            continue
-        parts.append(
-            block.create_var(
-                name=unique_name.generate(FUSED_PREFIX + "_part"),
-                dtype=fused.dtype,
-                shape=[s.numel],
-                persistable=False,
-                stop_gradient=True,
-            ).name
-        )
     new_ops.append(
         dict(
-            type="split",
-            inputs={"X": [fused.name]},
-            outputs={"Out": parts},
-            attrs={"axis": 0, "sections": [s.numel for s in group.slots], "num": 0, **role},
+            type=ops.UNCOALESCE_OP,
+            inputs={ops.UNCOALESCE_IN: names, ops.UNCOALESCE_FUSED: [fused.name]},
+            outputs={ops.UNCOALESCE_OUT: names},
+            attrs={"use_align": False, "align_size": -1, **role},
         )
     )
-    for s, part in zip(group.slots, parts):
-        if part == s.name:
-            continue
-        xshape = block.create_var(
-            name=unique_name.generate(FUSED_PREFIX + "_xshape"),
-            dtype=fused.dtype,
-            shape=[0, s.numel],
-            persistable=False,
-            stop_gradient=True,
-        )
-        new_ops.append(
-            dict(
-                type="reshape2",
-                inputs={"X": [part]},
-                outputs={"Out": [s.name], "XShape": [xshape.name]},
-                attrs={"shape": list(s.shape), **role},
-            )
-        )
     for k, spec in enumerate(new_ops):
         block._insert_op_without_sync(pos + k, **spec)
     return dataclasses.replace(group, fused_name=fused.name)

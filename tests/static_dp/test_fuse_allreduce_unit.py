@@ -127,22 +127,19 @@ def test_allreduce_placed_right_after_last_producer_and_before_readers():
             assert group == {s.name for s in layout.groups[gi].slots}
             # the op right before is a producer of one of the group's grads ...
             assert group & set(ops_[ci - 1].output_arg_names), ops_[ci - 1].type
-            # ... then all_reduce of the fused buffer, split, one reshape2 per grad writing it back
+            # ... then all_reduce of the fused buffer and one ph_uncoalesce_tensor writing every grad back
             assert ops_[ci + 1].type == "all_reduce" and ops_[ci + 1].input("x") == ops_[ci].output(ops.COALESCE_FUSED)
-            assert ops_[ci + 2].type == "split" and ops_[ci + 2].input("X") == ops_[ci].output(ops.COALESCE_FUSED)
-            one_d = {n for n in group if len(block.var(n).shape) == 1}
-            assert one_d and one_d != group
-            assert one_d == group & set(ops_[ci + 2].output("Out"))  # split writes 1-D grads directly
-            back = ops_[ci + 3: ci + 3 + len(group - one_d)]
-            assert [o.type for o in back] == ["reshape2"] * len(group - one_d)
-            assert {o.output("Out")[0] for o in back} == group - one_d
-            last_copy = ci + 2 + len(group - one_d)
+            back = ops_[ci + 2]
+            assert back.type == ops.UNCOALESCE_OP
+            assert back.input(ops.UNCOALESCE_FUSED) == ops_[ci].output(ops.COALESCE_FUSED)
+            assert back.input(ops.UNCOALESCE_IN) == ops_[ci].input(ops.COALESCE_IN) == back.output(ops.UNCOALESCE_OUT)
+            last_copy = ci + 2
             for j, op in enumerate(ops_):
                 touched = group & set(op.output_arg_names)
                 if touched and j > last_copy:
                     pytest.fail(f"{op.type} at {j} writes {touched} after the group's all_reduce")
-                if group & set(op.input_arg_names) and ci < j and op.type not in ("all_reduce", "split"):
-                    assert j > last_copy or j in range(ci + 3, last_copy + 1), (op.type, j)
+                if group & set(op.input_arg_names) and ci < j and op.type != "all_reduce":
+                    assert j >= last_copy, (op.type, j)
         # every optimizer/clip reader of a gradient comes after its group's copy back
         readers = [i for i, op in enumerate(ops_) if op.type in ("clip_by_norm", "adam")]
         assert readers and min(readers) > max(coalesce_idx)
