@@ -7,6 +7,7 @@ installs its components once (see :mod:`paddle_hybrid._install`);
 from . import ops
 from ._install import current_config, install, installed_components, uninstall
 from .config import PluginConfig
+from .dygraph import BucketLayoutError, GradBuckets, GradSyncError
 from .cuda_graph import CUDAGraphedLayer, GraphPool
 
 __version__ = "0.1.0"
@@ -21,6 +22,9 @@ __all__ = [
     "__version__",
     "CUDAGraphedLayer",
     "GraphPool",
+    "GradBuckets",
+    "BucketLayoutError",
+    "GradSyncError",
 ]
 
 install()

@@ -30,11 +30,13 @@ backward, ``fused_allreduce`` = Paddle's ``fused_allreduce_gradients``; default
 ``model``), ``clear`` (``zero`` or ``none``: how ``clear_grad`` is called;
 default ``zero``), ``die_rank`` / ``die_step`` (that rank calls ``os._exit(0)``
 during backward of that step, to test that the others fail rather than hang),
-``skew`` (1: rank 1 builds one layer wider, a layout mismatch).
+``skew`` (1: rank 1 builds one layer wider, a layout mismatch), ``max_params``
+(rebuild the buckets with at most this many parameters each).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -163,7 +165,7 @@ def reference_run(specs, seed, steps, batch, micro, lr, in_dim, out_dim, dp, dp_
 
 def parse_variant(spec):
     out = {"vpp": 1, "batch_p2p": 0, "fuse": 1, "fuse_mb": 32, "sync": "model", "clear": "zero",
-           "die_rank": -1, "die_step": -1, "skew": 0}
+           "die_rank": -1, "die_step": -1, "skew": 0, "max_params": 0}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, _, value = item.partition("=")
         if key not in out:
@@ -177,10 +179,7 @@ def _run_variant(args, v, hcg, strategy):
     import paddle.distributed as dist
     from paddle.distributed import fleet
 
-    try:
-        from paddle_hybrid.dygraph import grad_buckets
-    except ImportError:
-        grad_buckets = None
+    from paddle_hybrid.dygraph import grad_buckets
 
     rank = dist.get_rank()
     dp_rank = hcg.get_data_parallel_rank()
@@ -205,7 +204,13 @@ def _run_variant(args, v, hcg, strategy):
     opt = fleet.distributed_optimizer(opt)
     if v["sync"] != "model" and hasattr(model, "grad_need_sync"):
         model.grad_need_sync = False  # paddle.DataParallel's reducer off
-    buckets = grad_buckets.buckets_of(model) if grad_buckets else None
+    buckets = grad_buckets.buckets_of(model)
+    if buckets is not None and v["max_params"]:
+        # Rebuild with a count limit, to get many small buckets out of a small model.
+        buckets.remove()
+        from paddle_hybrid.dygraph import attach_buckets
+
+        buckets = attach_buckets(model, strategy, hcg, max_params=v["max_params"])
 
     mse = paddle.nn.MSELoss()
     shard_rows = args.batch // args.dp
@@ -227,8 +232,11 @@ def _run_variant(args, v, hcg, strategy):
         total = 0.0
         for m in range(n_micro):
             ms = slice(m * args.micro, (m + 1) * args.micro)
-            mloss = mse(model(xs[ms]), ys[ms])
-            (mloss / n_micro).backward()
+            last = m == n_micro - 1
+            ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
+            with ctx:
+                mloss = mse(model(xs[ms]), ys[ms])
+                (mloss / n_micro).backward()
             total += float(mloss)
         losses.append(total / n_micro)
         if v["sync"] == "per_param":

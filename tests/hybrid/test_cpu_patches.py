@@ -1,0 +1,108 @@
+"""In-process tests of paddle_hybrid.cpu: install/uninstall, version and config checks."""
+import warnings
+
+import pytest
+
+import paddle
+import paddle_hybrid
+from paddle_hybrid import PluginConfig
+from paddle_hybrid import cpu
+from paddle_hybrid.cpu import patches
+
+
+def _targets():
+    parallel, topology, p2p = patches._modules()
+    return {
+        "device_id": "_device_id" in vars(parallel.ParallelEnv),
+        "hcg_init": topology.HybridCommunicateGroup.__init__,
+        "p2p_ops": p2p._p2p_ops,
+        "batched": p2p._batched_p2p_ops,
+        "send_meta": p2p.SendRecvMeta.send_meta,
+        "recv_meta": p2p.SendRecvMeta.recv_meta,
+    }
+
+
+@pytest.fixture
+def fresh_plugin():
+    """The cpu component alone uninstalled; reinstalled as it was afterwards."""
+    was_active = cpu.is_active()
+    cpu.uninstall()
+    yield
+    cpu.uninstall()
+    if was_active:
+        cpu.install(paddle_hybrid.current_config())
+
+
+def test_install_patches_and_uninstall_restores(fresh_plugin):
+    stock = _targets()
+    assert stock["device_id"] is False and not patches.applied()
+    cpu.install(PluginConfig(cpu_hybrid="on"))
+    patched = _targets()
+    assert patched["device_id"] is True
+    for k in ("hcg_init", "p2p_ops", "batched", "send_meta", "recv_meta"):
+        assert patched[k] is not stock[k], k
+    assert paddle.distributed.ParallelEnv()._device_id == 0
+    cpu.uninstall()
+    assert _targets() == stock
+    assert not patches.applied()
+
+
+def test_off_and_auto_on_cpu_build(fresh_plugin):
+    stock = _targets()
+    cpu.install(PluginConfig(cpu_hybrid="off"))
+    assert _targets() == stock
+    cpu.uninstall()
+    cpu.install(PluginConfig(cpu_hybrid="auto"))
+    assert patches.applied() == (not paddle.is_compiled_with_cuda())
+
+
+def test_unexpected_paddle_version(fresh_plugin, monkeypatch):
+    stock = _targets()
+    monkeypatch.setattr(paddle, "__version__", "9.9.0")
+    with pytest.raises(RuntimeError, match="written for Paddle 3.3.x, found 9.9.0"):
+        cpu.install(PluginConfig(cpu_hybrid="on"))
+    cpu.uninstall()
+    assert _targets() == stock
+    if not paddle.is_compiled_with_cuda():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cpu.install(PluginConfig(cpu_hybrid="auto"))
+        assert any("Not installing" in str(x.message) for x in w)
+        assert _targets() == stock
+
+
+def test_changed_signature_refused_before_any_change(fresh_plugin, monkeypatch):
+    parallel, topology, p2p = patches._modules()
+    stock = _targets()
+    monkeypatch.setattr(p2p, "_p2p_ops", lambda a, b: None)
+    with pytest.raises(RuntimeError, match="_p2p_ops has parameters"):
+        patches.apply()
+    assert _targets()["hcg_init"] is stock["hcg_init"] and not patches.applied()
+
+
+def test_config_validation(monkeypatch):
+    with pytest.raises(ValueError, match="cpu_hybrid must be 'auto', 'on' or 'off'"):
+        PluginConfig(cpu_hybrid="yes")
+    with pytest.raises(ValueError, match="grad_bucket_max_params"):
+        PluginConfig(grad_bucket_max_params=-1)
+    monkeypatch.setenv("PADDLE_HYBRID_CPU_HYBRID", "ON")
+    monkeypatch.setenv("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", "7")
+    cfg = PluginConfig.from_env()
+    assert cfg.cpu_hybrid == "on" and cfg.grad_bucket_max_params == 7
+    monkeypatch.setenv("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", "many")
+    with pytest.raises(ValueError, match="not an integer"):
+        PluginConfig.from_env()
+
+
+def test_ring_pairs():
+    class Topo:
+        def __init__(self, lists):
+            self.lists = lists
+
+        def get_comm_list(self, name):
+            assert name == "pipe"
+            return self.lists
+
+    assert patches._pair_list(Topo([[0, 1]])) == [(0, 1)]
+    assert patches._pair_list(Topo([[0, 1, 2]])) == [(0, 1), (1, 2), (0, 2)]
+    assert patches._pair_list(Topo([[0, 2], [1, 3]])) == [(0, 2), (1, 3)]
