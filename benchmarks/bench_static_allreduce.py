@@ -42,14 +42,17 @@ def main():
         rows[k] = dict(res[0]["variants"][k], median_ms=med)
     limit, fused, unfused = rows["limit"]["median_ms"], rows["fused"]["median_ms"], rows["unfused"]["median_ms"]
     print(f"2 ranks (gloo, CPU), {rows['fused']['grads']} gradients, {res[0]['grad_bytes'] / 1024:.0f} KiB of gradients")
-    print(f"{'variant':<12}{'all_reduce/step':>16}{'step median ms':>16}{'vs limit':>10}")
+    print(f"{'variant':<14}{'all_reduce/step':>16}{'step median ms':>16}{'vs limit':>10}")
     for k in names:
         r = rows[k]
-        print(f"{k:<12}{r['allreduce']:>16}{r['median_ms']:>16.2f}{r['median_ms'] / limit:>9.2f}x")
-    ratios = {"fused_over_limit": fused / limit, "unfused_over_fused": unfused / fused}
+        print(f"{k:<14}{r['allreduce']:>16}{r['median_ms']:>16.2f}{r['median_ms'] / limit:>9.2f}x")
+    ratios = {"fused_over_limit": fused / limit, "unfused_over_fused": unfused / fused,
+              "fused_over_limit_ordered": fused / rows["limit_ordered"]["median_ms"]}
     ok = ratios["fused_over_limit"] <= 1.5 and ratios["unfused_over_fused"] >= 10
     print(f"fused/limit = {ratios['fused_over_limit']:.2f} (target <= 1.5); "
           f"unfused/fused = {ratios['unfused_over_fused']:.1f} (target >= 10) -> {'MET' if ok else 'NOT MET'}")
+    print(f"fused/limit_ordered = {ratios['fused_over_limit_ordered']:.2f} (the limit with the fused op's "
+          "ordering: after the last gradient, before the optimizer; the gap is the copy in and out)")
     out_dir = os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "static_allreduce.json"), "w") as f:

@@ -8,7 +8,11 @@ Variants, measured side by side in one process, rounds interleaved:
 * ``fused_num8``: fleet + plugin with Paddle's default 8 gradients per group;
 * ``limit``: the same single-process training step plus ONE all_reduce of a
   preallocated persistable buffer with the bytes of all gradients, run
-  through the same PIR path (no coalesce, no copy back).
+  through the same PIR path (no coalesce, no copy back).  Nothing depends on
+  it, so the interpreter may overlap it with forward/backward;
+* ``limit_ordered``: the same buffer and all_reduce, ordered like the fused
+  one: ``ph_nop`` edges make it wait for the last gradient and make the
+  optimizer wait for it.  The fused variant minus the copy in and out.
 """
 import argparse
 import time
@@ -20,6 +24,8 @@ from paddle.pir_utils import OldIrGuard
 from paddle.utils import unique_name
 
 import paddle_hybrid  # noqa: F401
+from paddle_hybrid import ops
+from paddle_hybrid.program_edit import deferred_sync
 from paddle_hybrid.pir_compat import translate_with_repair
 from paddle_hybrid.static_runtime import StaticRunner, ensure_process_group
 from paddle_hybrid.testing import save_result
@@ -57,7 +63,7 @@ def build_dp(args, fuse, num):
     return step, n_ar, n_grads
 
 
-def build_limit(args):
+def build_limit(args, ordered=False):
     scope = paddle.static.Scope()
     exe = paddle.static.Executor(paddle.CPUPlace())
     with OldIrGuard(), unique_name.guard(), paddle.static.scope_guard(scope):
@@ -67,9 +73,19 @@ def build_limit(args):
             _, pg = paddle.optimizer.SGD(0.01).minimize(loss)
             numel = sum(int(np.prod(g.shape)) for _, g in pg)
             buf = paddle.static.create_global_var([numel], 0.0, "float32", persistable=True, name="ph_bench_buf")
-            main.global_block().append_op(
-                type="all_reduce", inputs={"x": [buf]}, outputs={"out": [buf]}, attrs={"ring_id": 0, "reduce_type": 0}
-            )
+            block = main.global_block()
+            allreduce = dict(type="all_reduce", inputs={"x": [buf]}, outputs={"out": [buf]},
+                             attrs={"ring_id": 0, "reduce_type": 0})
+            if not ordered:
+                block.append_op(**allreduce)
+            else:
+                grads = [g for _, g in pg]
+                first_opt = next(i for i, op in enumerate(block.ops) if op.type == "sgd")
+                edge = lambda vs: dict(type=ops.NOP_OP, inputs={ops.NOP_IN: vs}, outputs={ops.NOP_OUT: vs})
+                with deferred_sync(block):
+                    # after the last gradient, before the first optimizer op
+                    for k, spec in enumerate([edge([buf, *grads]), allreduce, edge([buf, *grads])]):
+                        block._insert_op_without_sync(first_opt + k, **spec)
         exe.run(startup)
         prog, mapping = translate_with_repair(main)
     fetch = [mapping[loss.name][-1]]
@@ -102,6 +118,8 @@ def main():
     variants["fused_num8"] = dict(step=s, allreduce=n, grads=g)
     s, n, g, nbytes = build_limit(args)
     variants["limit"] = dict(step=s, allreduce=n, grads=g)
+    s, n, g, _ = build_limit(args, ordered=True)
+    variants["limit_ordered"] = dict(step=s, allreduce=n, grads=g)
     feed = {"x": np.random.default_rng(rank).standard_normal((args.batch, args.width)).astype("float32")}
     times = {k: [] for k in variants}
     for k, v in variants.items():  # warm up (first run translates and builds the executor)
