@@ -1,0 +1,227 @@
+"""Run every benchmark of paddle_hybrid, and the example with each feature on
+and off, side by side in one run; write one Markdown table, JSON and a PNG bar
+chart of the ratios.
+
+    python benchmarks/run_all.py                # everything (~10 minutes on 2 cores)
+    python benchmarks/run_all.py --quick        # smaller sizes (~4 minutes)
+    python benchmarks/run_all.py --only static_allreduce grad_buckets
+
+Each benchmark script runs in its own process and writes its JSON to
+benchmarks/results/; this script reads those files back.  Outputs:
+benchmarks/results/summary.{md,json,png} (the PNG when matplotlib is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, ROOT)
+
+
+def _row(bench, measure, base_label, base, plug_label, plug, unit, ratio, target, met):
+    return dict(benchmark=bench, measure=measure, baseline=base_label, baseline_value=base, plugin=plug_label,
+                plugin_value=plug, unit=unit, ratio=ratio, target=target, met=met)
+
+
+# --------------------------------------------------------------------------- per-benchmark readers
+def rows_reshard(d):
+    r = d["rows"]
+    speed = r["stock"]["seconds"] / r["plugin"]["seconds"]
+    return [
+        _row("reshard", f"reshard time ({r['plugin']['inserted_ops']} inserted ops)", "stock", r["stock"]["seconds"],
+             "plugin", r["plugin"]["seconds"], "s", speed, ">= 3x faster", speed >= 3),
+        _row("reshard", "_sync_with_cpp calls", "stock", r["stock"]["syncs"], "plugin", r["plugin"]["syncs"], "calls",
+             r["stock"]["syncs"] / max(1, r["plugin"]["syncs"]), f"<= blocks ({r['plugin']['blocks']})",
+             r["plugin"]["syncs"] <= r["plugin"]["blocks"]),
+    ]
+
+
+def rows_pipeline_rewrite(d):
+    out = []
+    for sched, res in d["results"].items():
+        per, dfr = res["rows"]["per-insert"], res["rows"]["deferred"]
+        out.append(_row("pipeline send-wait", f"{sched} rewrite ({dfr['waits_removed_per_step']} waits removed/step)",
+                        "per-insert sync", per["rewrite_s"], "deferred sync", dfr["rewrite_s"], "s",
+                        per["rewrite_s"] / dfr["rewrite_s"], "syncs O(blocks)", dfr["syncs"] <= 2))
+    return out
+
+
+def rows_static_allreduce(d):
+    r, q = d["rows"], d["ratios"]
+    return [
+        _row("static fused allreduce", "step, 220 grads, 2 ranks", "unfused", r["unfused"]["median_ms"], "fused",
+             r["fused"]["median_ms"], "ms", q["unfused_over_fused"], ">= 10x faster", q["unfused_over_fused"] >= 10),
+        _row("static fused allreduce", "step vs one preallocated all_reduce", "limit", r["limit"]["median_ms"],
+             "fused", r["fused"]["median_ms"], "ms", q["fused_over_limit"], "fused/limit <= 1.5",
+             q["fused_over_limit"] <= 1.5),
+    ]
+
+
+def rows_grad_buckets(d):
+    m = d["median_ms_per_step"]
+    s1, s2 = d["speedup_vs_fused_allreduce_gradients"], d["buckets_over_prealloc_limit"]
+    return [
+        _row("dygraph grad buckets", "grad sync, 220 params, DP=2", "fused_allreduce_gradients",
+             m["fused_allreduce_gradients"], "buckets", m["buckets"], "ms", s1, ">= 1.5x faster", s1 >= 1.5),
+        _row("dygraph grad buckets", "grad sync vs preallocated all_reduce", "limit", m["prealloc_limit"], "buckets",
+             m["buckets"], "ms", s2, "buckets/limit <= 1.3", s2 <= 1.3),
+        _row("dygraph grad buckets", "grad sync vs per-parameter", "per-parameter", m["per_param"], "buckets",
+             m["buckets"], "ms", d["speedup_vs_per_param"], "-", None),
+    ]
+
+
+BENCHES = {
+    "reshard": ("bench_reshard.py", [], ["--layers", "24"], "reshard.json", rows_reshard),
+    "pipeline_rewrite": ("bench_pipeline_rewrite.py", [], ["--branches", "128"], "pipeline_rewrite.json",
+                         rows_pipeline_rewrite),
+    "static_allreduce": ("bench_static_allreduce.py", [], ["--rounds", "2"], "static_allreduce.json",
+                         rows_static_allreduce),
+    "grad_buckets": ("bench_grad_buckets.py", [], ["--iters", "15"], "grad_buckets.json", rows_grad_buckets),
+}
+
+# The example, each feature on and off: (name, nprocs, extra args, env)
+EXAMPLE_SHAPE = ["--layers", "4", "--hidden", "64", "--seq-len", "64", "--micro-batch-size", "4",
+                 "--accumulate-steps", "4"]
+EXAMPLES = [
+    ("pp2", 2, ["--pp", "2"], {}),
+    ("pp2 + cudagraph (CPU emulation)", 2, ["--pp", "2", "--cudagraph"], {}),
+    ("pp2 x dp2, Paddle's fused_allreduce_gradients", 4, ["--pp", "2", "--dp", "2", "--fuse-allreduce"],
+     {"PADDLE_HYBRID_GRAD_BUCKETS": "0"}),
+    ("pp2 x dp2, plugin grad buckets", 4, ["--pp", "2", "--dp", "2", "--fuse-allreduce"], {}),
+]
+
+
+def run_bench(name, quick, timeout):
+    script, args, quick_args, json_name, _ = BENCHES[name]
+    cmd = [sys.executable, os.path.join(HERE, script), *args, *(quick_args if quick else [])]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout[-2500:], flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(os.path.join(RESULTS, json_name)) as f:
+        return json.load(f), time.time() - t0
+
+
+def run_examples(steps, timeout):
+    from paddle_hybrid.testing import LaunchError, launch
+
+    script = os.path.join(ROOT, "examples", "gpt_pp.py")
+    out = {}
+    for label, nprocs, extra, env in EXAMPLES:
+        args = EXAMPLE_SHAPE + extra + ["--steps", str(steps), "--out-dir", os.path.join(RESULTS, "gpt_pp")]
+        for attempt in range(3):  # gloo group set-up can fail at start on 3+ ranks (README, limitations)
+            try:
+                res = launch(script, nprocs=nprocs, args=args, timeout=timeout, env=env)
+                break
+            except LaunchError as exc:
+                if attempt == 2 or "fleet.init" not in str(exc) and "_create_hcg" not in str(exc):
+                    raise
+                print(f"  {label}: start-up failed in fleet.init, retrying", flush=True)
+        s = res[0]["summary"]
+        times = s["step_times"][2:] or s["step_times"]
+        out[label] = dict(tokens_per_s=s["tokens_per_s"], step_ms=1000 * sorted(times)[len(times) // 2],
+                          first_loss=s["first_loss"], final_loss=s["final_loss"], nprocs=nprocs)
+        print(f"  {label}: {out[label]['step_ms']:.0f} ms/step, {s['tokens_per_s']:.0f} tok/s, "
+              f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}", flush=True)
+    return out
+
+
+def example_rows(ex):
+    rows = []
+    pairs = [("pp2", "pp2 + cudagraph (CPU emulation)", "overhead of the emulation (CPU)"),
+             ("pp2 x dp2, Paddle's fused_allreduce_gradients", "pp2 x dp2, plugin grad buckets", "DP grad sync")]
+    for base, plug, what in pairs:
+        if base in ex and plug in ex:
+            b, p = ex[base]["step_ms"], ex[plug]["step_ms"]
+            rows.append(_row("gpt_pp.py example", f"step time, {what}", base, b, plug, p, "ms", b / p, "-", None))
+    return rows
+
+
+def markdown(rows, meta):
+    lines = [f"Run {meta['date']} on {meta['machine']} (Paddle {meta['paddle']}); ratio = baseline / plugin for "
+             "times (higher is better) except where the target says otherwise.", "",
+             "| benchmark | measure | baseline | plugin | ratio | target | met |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        fmt = (lambda v: f"{v:.3g} {r['unit']}")
+        lines.append(f"| {r['benchmark']} | {r['measure']} | {r['baseline']}: {fmt(r['baseline_value'])} | "
+                     f"{r['plugin']}: {fmt(r['plugin_value'])} | {r['ratio']:.2f} | {r['target']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['benchmark']}\n{r['measure'][:38]}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 1.5))
+    colors = ["tab:green" if r["met"] else ("tab:red" if r["met"] is False else "tab:gray") for r in rows]
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color=colors)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("ratio (see table; green: target met, red: not met, grey: no target)")
+    ax.set_title("paddle_hybrid benchmarks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes for every benchmark")
+    ap.add_argument("--only", nargs="*", default=None, help=f"subset of {sorted(BENCHES)} and 'example'")
+    ap.add_argument("--example-steps", type=int, default=12)
+    ap.add_argument("--timeout", type=float, default=1200)
+    args = ap.parse_args()
+    chosen = args.only if args.only is not None else [*BENCHES, "example"]
+    unknown = set(chosen) - set(BENCHES) - {"example"}
+    if unknown:
+        ap.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {sorted(BENCHES)} and 'example'")
+    os.makedirs(RESULTS, exist_ok=True)
+    import paddle
+
+    meta = {"date": datetime.date.today().isoformat(),
+            "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, {platform.system()}, no GPU"
+            if not paddle.is_compiled_with_cuda() else f"{platform.machine()} with CUDA",
+            "paddle": paddle.__version__, "quick": args.quick}
+    rows, raw, seconds = [], {}, {}
+    for name in chosen:
+        print(f"== {name}", flush=True)
+        if name == "example":
+            t0 = time.time()
+            raw[name] = run_examples(args.example_steps, args.timeout)
+            seconds[name] = time.time() - t0
+            rows += example_rows(raw[name])
+            continue
+        raw[name], seconds[name] = run_bench(name, args.quick, args.timeout)
+        rows += BENCHES[name][4](raw[name])
+    md = markdown(rows, meta)
+    print(md)
+    with open(os.path.join(RESULTS, "summary.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(RESULTS, "summary.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "seconds": seconds, "raw": raw}, f, indent=1)
+    if plot(rows, os.path.join(RESULTS, "summary.png")):
+        print(f"chart: {os.path.join('benchmarks', 'results', 'summary.png')}")
+    print("wall seconds per benchmark:", {k: round(v) for k, v in seconds.items()})
+
+
+if __name__ == "__main__":
+    main()
