@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--corpus-chars", type=int, default=200_000, help="size of the generated corpus")
     g.add_argument("--corpus-file", default=None, help="train on this UTF-8 text file instead of the generated corpus")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    g.add_argument("--steps", type=int, default=120, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (Adam, cosine decay)")
     g.add_argument("--warmup-steps", type=int, default=5, help="linear warmup steps")
     g.add_argument("--seed", type=int, default=1234, help="seed of data, init and dropout")
