@@ -113,20 +113,13 @@ def run_bench(name, quick, timeout):
 
 
 def run_examples(steps, timeout):
-    from paddle_hybrid.testing import LaunchError, launch
+    from paddle_hybrid.testing import launch
 
     script = os.path.join(ROOT, "examples", "gpt_pp.py")
     out = {}
     for label, nprocs, extra, env in EXAMPLES:
         args = EXAMPLE_SHAPE + extra + ["--steps", str(steps), "--out-dir", os.path.join(RESULTS, "gpt_pp")]
-        for attempt in range(3):  # gloo group set-up can fail at start on 3+ ranks (README, limitations)
-            try:
-                res = launch(script, nprocs=nprocs, args=args, timeout=timeout, env=env)
-                break
-            except LaunchError as exc:
-                if attempt == 2 or "fleet.init" not in str(exc) and "_create_hcg" not in str(exc):
-                    raise
-                print(f"  {label}: start-up failed in fleet.init, retrying", flush=True)
+        res = launch(script, nprocs=nprocs, args=args, timeout=timeout, env=env)
         s = res[0]["summary"]
         times = s["step_times"][2:] or s["step_times"]
         out[label] = dict(tokens_per_s=s["tokens_per_s"], step_ms=1000 * sorted(times)[len(times) // 2],

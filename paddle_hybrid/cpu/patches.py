@@ -1,4 +1,4 @@
-"""The four patches of :mod:`paddle_hybrid.cpu`, applied and reverted as a unit.
+"""The five patches of :mod:`paddle_hybrid.cpu`, applied and reverted as a unit.
 
 Every patched attribute is checked before anything is changed: it must exist
 and (for functions) have the parameter names this module was written against,
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import socket
 import threading
 
 __all__ = ["apply", "revert", "applied", "PAIR_GROUPS_ATTR"]
@@ -49,6 +51,62 @@ def _set(owner, name, value):
     _saved.append((owner, name, owner.__dict__.get(name, _MISSING) if isinstance(owner, type)
                    else getattr(owner, name, _MISSING)))
     setattr(owner, name, value)
+
+
+# ---------------------------------------------------------------------------
+# Fix 5: one rendezvous store per gloo group
+# ---------------------------------------------------------------------------
+# core.ProcessGroupGloo.create(store, rank, size, gid) runs two gloo
+# connectFullMesh rendezvous: the GlooCommContext one on PrefixStore(str(gid),
+# store), and a second one in the ProcessGroupGloo constructor on the *bare*
+# store, under the keys "0" .. str(size - 1).  Those bare keys are shared by
+# every gloo group of the job (the default group writes them first) and the
+# TCPStore cannot delete keys, so a rank that reaches the second rendezvous
+# before a peer has overwritten its key reads the peer's address from an
+# *earlier* group: "Connection refused" / TIMEOUT / "sizeof(impl_) ==
+# bytes.size()" / a hang, on whichever group loses the race.  Barriers and
+# retries cannot close that window (it lies inside one C++ call).  Giving each
+# new group its own TCPStore (hosted by its rank 0, address published on the
+# global store under a gid-unique key) makes every key fresh.
+
+_STORE_KEY = "paddle_hybrid/gloo_group_store/{}"
+_group_stores: list = []  # keep the per-group stores (and their servers) alive
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _group_store(store, rank, world_size, group_id):
+    from paddle.base import core
+
+    timeout = int(os.getenv("FLAGS_stop_check_timeout", "900"))
+    key = _STORE_KEY.format(group_id)
+    if rank == 0:
+        host = os.getenv("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0] or "127.0.0.1"
+        port = _free_port()
+        store.set(key, f"{host}:{port}")
+        private = core.TCPStore(host, port, True, world_size, timeout)
+    else:
+        store.wait(key)
+        host, port = store.get(key).decode().rsplit(":", 1)
+        private = core.TCPStore(host, int(port), False, world_size, timeout)
+    _group_stores.append(private)
+    return private
+
+
+def _make_new_pg_impl(orig_impl):
+    @functools.wraps(orig_impl)
+    def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options,
+                                group_id=0, *args, **kwargs):
+        if backend == "gloo" and group_id != 0 and world_size > 1 and store is not None:
+            store = _group_store(store, rank, world_size, group_id)
+        return orig_impl(backend, store, rank, world_size, group_name, pg_options, group_id,
+                         *args, **kwargs)
+
+    return _new_process_group_impl
 
 
 # ---------------------------------------------------------------------------
@@ -180,10 +238,12 @@ def _make_meta(p2p, orig_send, orig_recv):
 # ---------------------------------------------------------------------------
 
 def apply() -> None:
-    """Apply all four patches (idempotent)."""
+    """Apply all five patches (idempotent)."""
     with _lock:
         if _saved:
             return
+        import paddle.distributed.collective as collective
+
         parallel, topology, p2p = _modules()
         hcg_cls = topology.HybridCommunicateGroup
         meta_cls = p2p.SendRecvMeta
@@ -197,6 +257,9 @@ def apply() -> None:
         _check_params(meta_cls.send_meta, ["self", "tensor", "group", "reverse", "broadcast"],
                       "SendRecvMeta.send_meta")
         _check_params(meta_cls.recv_meta, ["self", "group", "reverse", "broadcast"], "SendRecvMeta.recv_meta")
+        _check_params(collective._new_process_group_impl,
+                      ["backend", "store", "rank", "world_size", "group_name", "pg_options", "group_id",
+                       "nccl_comm_init_option", "nccl_config"], "collective._new_process_group_impl")
         if not hasattr(p2p, "_hcg"):
             raise RuntimeError("paddle_hybrid.cpu: p2p_communication has no _hcg; unexpected Paddle.")
 
@@ -204,6 +267,9 @@ def apply() -> None:
             # Fix 1: PipelineLayer reads ParallelEnv().device_id on every device type.
             if "_device_id" not in vars(parallel.ParallelEnv):
                 _set(parallel.ParallelEnv, "_device_id", 0)
+            # Fix 5: a private rendezvous store for every new gloo group.
+            _set(collective, "_new_process_group_impl",
+                 _make_new_pg_impl(collective._new_process_group_impl))
             # Fix 4 (+ pair groups of fix 3).
             _set(hcg_cls, "__init__", _make_hcg_init(hcg_cls.__init__))
             # Fixes 2 and 3.

@@ -5,22 +5,13 @@ import os
 import numpy as np
 import pytest
 
-from paddle_hybrid.testing import LaunchError, launch
+from paddle_hybrid.testing import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_pp_cudagraph.py")
 
 
 def launch_pp(nprocs, args, env=None):
-    """launch(), retried only when gloo refused a connection while fleet.init built
-    its groups (a start-up flake of the CPU hybrid-parallel support seen under
-    load, before any training) -- any other failure is raised at once."""
-    for attempt in range(3):
-        try:
-            return launch(WORKER, nprocs=nprocs, args=args, timeout=300, env=env)
-        except LaunchError as exc:
-            text = str(exc)
-            if attempt == 2 or not ("Connection refused" in text and "_create_hcg" in text):
-                raise
+    return launch(WORKER, nprocs=nprocs, args=args, timeout=300, env=env)
 
 
 def check_equal_to_eager(results, nprocs):

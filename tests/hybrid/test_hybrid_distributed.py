@@ -7,6 +7,7 @@ atol = 1e-5 (parameters), since microbatch/DP summation order differs; ranks aga
 other and bucketed sync against Paddle's own paths: exact (same arithmetic: scale by 1/n,
 then a 2-rank sum).
 """
+import os
 import time
 
 import numpy as np
@@ -131,3 +132,15 @@ def test_rank_killed_mid_backward_others_fail_fast():
     assert "did not finish within" not in text  # not the harness timeout
     assert "GradSyncError" in text and "over ranks [0, 1] failed" in text
     assert elapsed < 90, elapsed
+
+
+def test_many_gloo_groups_created_back_to_back_all_work():
+    """Fix 5: each new gloo group rendezvouses on its own store; 9 groups on 3
+    ranks are created and each reduces correctly on every member."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_gloo_groups.py")
+    results = launch(worker, nprocs=3, timeout=300)
+    for r in results:
+        assert r["private_stores"] == len(r["sums"])  # one private store per group this rank is in
+        for ranks, total in r["sums"]:
+            assert total == sum(x + 1 for x in ranks), (r["rank"], ranks, total)
+    assert sum(len(r["sums"]) for r in results) == 3 * 3 + 2 * 3 * 2
