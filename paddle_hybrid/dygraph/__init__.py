@@ -43,6 +43,15 @@ def _hpo_class():
     return HybridParallelOptimizer
 
 
+def _shared_weight_ids(pipeline_layer) -> set:
+    """ids of the parameters a PipelineLayer shares between stages."""
+    ids = set()
+    for comm in getattr(pipeline_layer, "shared_comm", {}).values():
+        for attr in comm["weight_attr"]:
+            ids.add(id(getattr(comm["layer"], attr)))
+    return ids
+
+
 def attach_buckets(model, strategy, hcg, max_params: int = 0):
     """Attach gradient buckets to a model returned by ``fleet.distributed_model`` if the
     strategy and the topology call for them; returns the buckets or None."""
@@ -61,7 +70,16 @@ def attach_buckets(model, strategy, hcg, max_params: int = 0):
     if isinstance(model, PipelineParallel):
         if model._dp_comm_overlap or model._sharding_comm_overlap:
             return None
-        buckets = GradBuckets(model._layers.parameters(), group=group, bucket_size_mb=size_mb,
+        # Weights shared between stages (SharedLayerDesc) are summed across the
+        # stages after the pipeline schedule (allreduce_shared_weight_gradients);
+        # reducing them over DP earlier, from backward hooks, would add one
+        # stage's DP-averaged gradient to the other stage's local one.  They stay
+        # on Paddle's own DP sync, which runs after that sum.
+        shared = _shared_weight_ids(model._layers)
+        params = [p for p in model._layers.parameters() if id(p) not in shared]
+        if not params:
+            return None
+        buckets = GradBuckets(params, group=group, bucket_size_mb=size_mb,
                               max_params=max_params, accumulate_steps=model.accumulate_steps)
     elif isinstance(model, paddle.DataParallel):
         buckets = GradBuckets(model._layers.parameters(), group=group, bucket_size_mb=size_mb,
