@@ -7,7 +7,7 @@ side by side with interleaved rounds), prints a table and writes
 Targets: fused step within 1.5x of the limit (one all_reduce of a preallocated
 buffer of the same bytes) and at least 10x faster than unfused.
 
-    python benchmarks/bench_static_allreduce.py [--layers 110] [--steps 10] [--rounds 3]
+    python benchmarks/bench_static_allreduce.py [--layers 110] [--steps 10] [--rounds 5]
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--layers", type=int, default=110, help="Linear layers (2 gradients each)")
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     res = launch(
