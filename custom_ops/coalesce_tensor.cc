@@ -27,6 +27,7 @@
 // behaviour there).
 
 #include "coalesce_tensor.h"
+#include "layout.h"
 
 #include <cstring>
 #include <memory>
@@ -68,14 +69,6 @@ std::shared_ptr<phi::DenseTensor> Dense(const paddle::Tensor& t, size_t i) {
            " is not a dense tensor; only dense tensors can be coalesced "
            "(convert sparse or selected-rows gradients to dense first).");
   return dense;
-}
-
-// Bytes an input of `numel` elements takes in the fused buffer.
-size_t SpanElems(int64_t numel, size_t elem, const phi::Place& place,
-                 bool use_align, int align_size) {
-  size_t len = static_cast<size_t>(numel);
-  if (!use_align || len == 0) return len;
-  return phi::Alignment(len * elem, place, align_size) / elem;
 }
 
 // Bit pattern of `value` converted to `dtype`, in the low SizeOf(dtype) bytes.
@@ -238,7 +231,7 @@ std::vector<paddle::Tensor> PhCoalesceTensorKernel(
 
   std::vector<size_t> offsets(inputs.size() + 1, 0);
   for (size_t i = 0; i < inputs.size(); ++i) {
-    offsets[i + 1] = offsets[i] + SpanElems(dense[i]->numel(), elem, place,
+    offsets[i + 1] = offsets[i] + paddle_hybrid::SpanElems(dense[i]->numel(), elem, place,
                                             use_align, align_size);
   }
   const int64_t total = static_cast<int64_t>(offsets.back());

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "coalesce_tensor.h"
+#include "layout.h"
 #include "paddle/extension.h"
 #include "paddle/phi/backends/device_memory_alignment.h"
 #include "paddle/phi/common/data_type.h"
@@ -67,7 +68,7 @@ void PhUncoalesceTensorKernel(std::vector<paddle::Tensor>& xs,  // NOLINT: in pl
 #endif
       }
     }
-    offset += use_align ? phi::Alignment(len * elem, place, align_size) / elem : len;
+    offset += paddle_hybrid::SpanElems(static_cast<int64_t>(len), elem, place, use_align, align_size);
   }
 }
 
