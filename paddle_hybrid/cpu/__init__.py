@@ -1,6 +1,6 @@
 """What makes fleet's dygraph hybrid parallel (PP, VP, DP x PP, DP) run on CPU over gloo.
 
-Stock Paddle 3.3.1 fails five ways on a CPU build; each fix is one patch here,
+Stock Paddle 3.3.1 fails four ways on a CPU build; each fix is one patch here,
 applied by :func:`install` and undone by :func:`uninstall`:
 
 1. ``PipelineLayer`` reads ``ParallelEnv().device_id``, which is only set for
@@ -16,17 +16,16 @@ applied by :func:`install` and undone by :func:`uninstall`:
    Fix: one 2-rank group per pair of ring neighbours (created after the
    hybrid groups), and every pipeline p2p (tensors and shape metadata) goes
    through the group of its peer.
-4. DP x PP (4 ranks): ``fleet.init`` fails with gloo ``Connection refused``
-   while creating many groups back to back.  Fix: a global barrier after
-   every ``new_group`` made while the hybrid communicate group is built.
-5. Any job that creates gloo groups fails now and then at start-up
-   (``Connection refused``, a pair ``TIMEOUT`` or a hang, ~40% of 3-rank
-   launches here, also without this package): ``ProcessGroupGloo``'s
-   constructor runs a second rendezvous on the *unprefixed* global store under
-   the keys "0".."n-1", shared by every group, so a rank can read a peer's
-   address from an earlier group.  Fix: each new gloo group gets its own
-   TCPStore, hosted by the group's rank 0 (address published on the global
-   store under a key unique to the group id).
+4. Creating gloo groups fails now and then at start-up (``Connection
+   refused``, a pair ``TIMEOUT`` or a hang; ~40% of 3-rank launches here, also
+   without this package, and the "DP x PP connection refused" of earlier
+   notes): ``ProcessGroupGloo``'s constructor runs a second rendezvous on the
+   *unprefixed* global store under the keys "0".."n-1", shared by every
+   group, so a rank can read a peer's address from an earlier group.  Fix:
+   each new gloo group gets its own TCPStore, hosted by the group's rank 0
+   (address published on the global store under a key unique to the group
+   id).  It replaces the barrier after every ``new_group`` used before, which
+   only narrowed the race.
 
 When: ``PluginConfig.cpu_hybrid`` ("auto": only when Paddle is not compiled
 with CUDA; "on": always; "off": never).  The patches are written against

@@ -110,7 +110,7 @@ def _make_new_pg_impl(orig_impl):
 
 
 # ---------------------------------------------------------------------------
-# Fix 4 (+ creation of the groups of fix 3): HybridCommunicateGroup.__init__
+# Creation of the groups of fix 3: HybridCommunicateGroup.__init__
 # ---------------------------------------------------------------------------
 
 def _pair_list(topo):
@@ -132,29 +132,17 @@ def _make_hcg_init(orig_init):
     def __init__(self, *args, **kwargs):
         import paddle.distributed as dist
 
-        plain_new_group = dist.new_group
-
-        def new_group_then_barrier(*a, **k):
-            group = plain_new_group(*a, **k)
-            if dist.get_world_size() > 1:
-                dist.barrier()  # gloo: without it, 4+ ranks hit "Connection refused"
-            return group
-
-        dist.new_group = new_group_then_barrier
-        try:
-            orig_init(self, *args, **kwargs)
-            groups = {}
-            if self._pp_degree > 1:
-                # Every rank creates every pair group, in the same order.
-                for a, b in _pair_list(self._topo):
-                    group = new_group_then_barrier(ranks=[a, b])
-                    if self.global_rank == a:
-                        groups[b] = group
-                    elif self.global_rank == b:
-                        groups[a] = group
-            setattr(self, PAIR_GROUPS_ATTR, groups)
-        finally:
-            dist.new_group = plain_new_group
+        orig_init(self, *args, **kwargs)
+        groups = {}
+        if self._pp_degree > 1:
+            # Every rank creates every pair group, in the same order.
+            for a, b in _pair_list(self._topo):
+                group = dist.new_group(ranks=[a, b])
+                if self.global_rank == a:
+                    groups[b] = group
+                elif self.global_rank == b:
+                    groups[a] = group
+        setattr(self, PAIR_GROUPS_ATTR, groups)
 
     return __init__
 
@@ -238,7 +226,7 @@ def _make_meta(p2p, orig_send, orig_recv):
 # ---------------------------------------------------------------------------
 
 def apply() -> None:
-    """Apply all five patches (idempotent)."""
+    """Apply every patch (idempotent)."""
     with _lock:
         if _saved:
             return
@@ -270,7 +258,7 @@ def apply() -> None:
             # Fix 5: a private rendezvous store for every new gloo group.
             _set(collective, "_new_process_group_impl",
                  _make_new_pg_impl(collective._new_process_group_impl))
-            # Fix 4 (+ pair groups of fix 3).
+            # The pair groups of fix 3, made after fleet's own groups.
             _set(hcg_cls, "__init__", _make_hcg_init(hcg_cls.__init__))
             # Fixes 2 and 3.
             p2p_ops, batched = _make_p2p_ops(p2p)
