@@ -366,6 +366,7 @@ class CUDAGraphedLayer(paddle.nn.Layer):
         self._pairs: Dict[Any, List[_GraphPair]] = OrderedDict()
         self._counts: Dict[Any, Tuple[int, int]] = {}
         self._warmed: set = set()
+        self._out_specs: Dict[Any, Any] = {}  # signature key -> output structure
         self._queue: "OrderedDict[int, _Entry]" = OrderedDict()
         self._seq = itertools.count()
         # Test hook: the reuse checks can be turned off to show what they prevent.
@@ -549,14 +550,6 @@ class CUDAGraphedLayer(paddle.nn.Layer):
         self._queue[entry.seq] = entry
         self._pool._started()
         return entry, pair.fwd.outputs
-
-    @property
-    def _out_specs(self) -> dict:
-        specs = self.__dict__.get("_ph_out_specs")
-        if specs is None:
-            specs = {}
-            object.__setattr__(self, "_ph_out_specs", specs)
-        return specs
 
     # -- backward --------------------------------------------------------
     def _backward_graphed(self, entry: _Entry, dys):
