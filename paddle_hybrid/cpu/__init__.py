@@ -1,31 +1,18 @@
-"""What makes fleet's dygraph hybrid parallel (PP, VP, DP x PP, DP) run on CPU over gloo.
+"""What makes fleet's dygraph hybrid parallel run on CPU over gloo.
 
-Stock Paddle 3.3.1 fails four ways on a CPU build; each fix is one patch here,
-applied by :func:`install` and undone by :func:`uninstall`:
+Stock Paddle 3.3.1 stops on a CPU build in many places; each concern below is one
+module with an ``apply(patcher)`` that checks what it replaces, then replaces it
+through the shared :class:`~._patcher.Patcher`.  :func:`install` applies them all
+or none (a failure reverts what was applied and raises); :func:`uninstall`
+restores every original.
 
-1. ``PipelineLayer`` reads ``ParallelEnv().device_id``, which is only set for
-   CUDA/XPU/custom devices (``AttributeError: ... '_device_id'``).  Fix: a
-   class-level default ``ParallelEnv._device_id = 0``.
-2. Batched p2p (``pp_configs.use_batch_p2p_comm``, default True) sends on the
-   calculation stream, which ``ProcessGroupGloo`` refuses.  Fix: on gloo the
-   batched path posts the same ``isend``/``irecv`` pairs asynchronously on the
-   per-neighbour groups of fix 3 and waits for all of them before returning,
-   so the user's choice keeps working with the same results.
-3. PP >= 3 hangs: gloo tags every operation with one counter per group, so
-   p2p with two different peers in the pipeline group desynchronises the tags.
-   Fix: one 2-rank group per pair of ring neighbours (created after the
-   hybrid groups), and every pipeline p2p (tensors and shape metadata) goes
-   through the group of its peer.
-4. Creating gloo groups fails now and then at start-up (``Connection
-   refused``, a pair ``TIMEOUT`` or a hang; ~40% of 3-rank launches here, also
-   without this package, and the "DP x PP connection refused" of earlier
-   notes): ``ProcessGroupGloo``'s constructor runs a second rendezvous on the
-   *unprefixed* global store under the keys "0".."n-1", shared by every
-   group, so a rank can read a peer's address from an earlier group.  Fix:
-   each new gloo group gets its own TCPStore, hosted by the group's rank 0
-   (address published on the global store under a key unique to the group
-   id).  It replaces the barrier after every ``new_group`` used before, which
-   only narrowed the race.
+=====================  =====================================================
+concern                what it fixes (details in the module's docstring)
+=====================  =====================================================
+:mod:`.device`         ``ParallelEnv._device_id`` missing on CPU
+:mod:`.groups`         gloo group start-up race; per-neighbour p2p groups
+:mod:`.p2p`            pipeline p2p on the pair groups; batched p2p on gloo
+=====================  =====================================================
 
 When: ``PluginConfig.cpu_hybrid`` ("auto": only when Paddle is not compiled
 with CUDA; "on": always; "off": never).  The patches are written against
@@ -33,15 +20,21 @@ Paddle 3.3.x; on another version "on" raises and "auto" warns and does nothing.
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 
-from . import patches
+from ._patcher import Patcher, PatchSignatureError
 
-__all__ = ["install", "uninstall", "is_active", "SUPPORTED_PADDLE"]
+__all__ = ["install", "uninstall", "is_active", "patched", "SUPPORTED_PADDLE", "CONCERNS",
+           "PatchSignatureError"]
 
 SUPPORTED_PADDLE = ("3.3.",)
 
-_active = False
+# Applied in this order (groups before p2p, which sends through them).
+CONCERNS = ["device", "groups", "p2p", "tensor_parallel", "sharding", "recompute", "timers",
+            "virtual_pipeline"]
+
+_patcher = Patcher()
 
 
 def _wanted(mode: str) -> bool:
@@ -55,9 +48,8 @@ def _wanted(mode: str) -> bool:
 
 
 def install(config) -> None:
-    global _active
     mode = config.cpu_hybrid
-    if not _wanted(mode):
+    if not _wanted(mode) or _patcher.applied:
         return
     import paddle
 
@@ -70,16 +62,23 @@ def install(config) -> None:
                                      "or use a supported Paddle.")
         warnings.warn(msg + " Not installing them (cpu_hybrid='auto').", RuntimeWarning, stacklevel=2)
         return
-    patches.apply()
-    _active = True
+    try:
+        for name in CONCERNS:
+            importlib.import_module(f"{__name__}.{name}").apply(_patcher)
+    except BaseException:
+        _patcher.revert()
+        raise
 
 
 def uninstall() -> None:
-    global _active
-    patches.revert()
-    _active = False
+    _patcher.revert()
 
 
 def is_active() -> bool:
     """True while the CPU/gloo patches are installed."""
-    return _active
+    return _patcher.applied
+
+
+def patched() -> list:
+    """``(owner, attribute name)`` of every Paddle attribute the CPU support replaced."""
+    return _patcher.patched()

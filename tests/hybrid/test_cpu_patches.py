@@ -7,12 +7,22 @@ import paddle
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
 from paddle_hybrid import cpu
-from paddle_hybrid.cpu import patches
+from paddle_hybrid.cpu import groups
+
+
+def _modules():
+    import paddle.distributed.collective as collective
+    import paddle.distributed.parallel as parallel
+    from paddle.distributed.fleet.base import topology
+    from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
+
+    return parallel, topology, p2p, collective
 
 
 def _targets():
-    parallel, topology, p2p = patches._modules()
+    parallel, topology, p2p, collective = _modules()
     return {
+        "new_pg_impl": collective._new_process_group_impl,
         "device_id": "_device_id" in vars(parallel.ParallelEnv),
         "hcg_init": topology.HybridCommunicateGroup.__init__,
         "p2p_ops": p2p._p2p_ops,
@@ -35,16 +45,16 @@ def fresh_plugin():
 
 def test_install_patches_and_uninstall_restores(fresh_plugin):
     stock = _targets()
-    assert stock["device_id"] is False and not patches.applied()
+    assert stock["device_id"] is False and not cpu.is_active()
     cpu.install(PluginConfig(cpu_hybrid="on"))
     patched = _targets()
     assert patched["device_id"] is True
-    for k in ("hcg_init", "p2p_ops", "batched", "send_meta", "recv_meta"):
+    for k in ("new_pg_impl", "hcg_init", "p2p_ops", "batched", "send_meta", "recv_meta"):
         assert patched[k] is not stock[k], k
     assert paddle.distributed.ParallelEnv()._device_id == 0
     cpu.uninstall()
     assert _targets() == stock
-    assert not patches.applied()
+    assert not cpu.is_active()
 
 
 def test_off_and_auto_on_cpu_build(fresh_plugin):
@@ -53,7 +63,7 @@ def test_off_and_auto_on_cpu_build(fresh_plugin):
     assert _targets() == stock
     cpu.uninstall()
     cpu.install(PluginConfig(cpu_hybrid="auto"))
-    assert patches.applied() == (not paddle.is_compiled_with_cuda())
+    assert cpu.is_active() == (not paddle.is_compiled_with_cuda())
 
 
 def test_unexpected_paddle_version(fresh_plugin, monkeypatch):
@@ -72,12 +82,13 @@ def test_unexpected_paddle_version(fresh_plugin, monkeypatch):
 
 
 def test_changed_signature_refused_before_any_change(fresh_plugin, monkeypatch):
-    parallel, topology, p2p = patches._modules()
-    stock = _targets()
+    parallel, topology, p2p, collective = _modules()
     monkeypatch.setattr(p2p, "_p2p_ops", lambda a, b: None)
-    with pytest.raises(RuntimeError, match="_p2p_ops has parameters"):
-        patches.apply()
-    assert _targets()["hcg_init"] is stock["hcg_init"] and not patches.applied()
+    stock = _targets()
+    with pytest.raises(cpu.PatchSignatureError, match="_p2p_ops has parameters"):
+        cpu.install(PluginConfig(cpu_hybrid="on"))
+    # concerns applied before p2p (device, groups) were rolled back too
+    assert _targets() == stock and not cpu.is_active()
 
 
 def test_config_validation(monkeypatch):
@@ -103,6 +114,6 @@ def test_ring_pairs():
             assert name == "pipe"
             return self.lists
 
-    assert patches._pair_list(Topo([[0, 1]])) == [(0, 1)]
-    assert patches._pair_list(Topo([[0, 1, 2]])) == [(0, 1), (1, 2), (0, 2)]
-    assert patches._pair_list(Topo([[0, 2], [1, 3]])) == [(0, 2), (1, 3)]
+    assert groups.pair_list(Topo([[0, 1]])) == [(0, 1)]
+    assert groups.pair_list(Topo([[0, 1, 2]])) == [(0, 1), (1, 2), (0, 2)]
+    assert groups.pair_list(Topo([[0, 2], [1, 3]])) == [(0, 2), (1, 3)]

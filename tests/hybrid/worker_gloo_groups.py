@@ -10,7 +10,7 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hybrid  # noqa: F401
-from paddle_hybrid.cpu import patches
+from paddle_hybrid.cpu import groups as cpu_groups
 from paddle_hybrid.testing import save_result
 
 
@@ -26,7 +26,7 @@ def main():
             t = paddle.to_tensor([float(rank + 1)])
             dist.all_reduce(t, group=group)
             sums.append((tuple(ranks), float(t.item())))
-    save_result({"rank": rank, "sums": sums, "private_stores": len(patches._group_stores)})
+    save_result({"rank": rank, "sums": sums, "private_stores": len(cpu_groups.group_stores)})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,141 @@
+"""Gloo groups: a private rendezvous store per group, and one 2-rank group per pair of
+pipeline neighbours.
+
+1. Creating gloo groups fails now and then at start-up (``Connection refused``, a pair
+   ``TIMEOUT`` or a hang; ~40% of 3-rank launches of stock Paddle 3.3.1 here).
+   ``core.ProcessGroupGloo.create(store, rank, size, gid)`` runs two rendezvous: one on
+   ``PrefixStore(str(gid), store)`` and a second, in the ``ProcessGroupGloo`` constructor,
+   on the *bare* store under the keys "0" .. str(size - 1).  Those keys are shared by every
+   gloo group of the job and a TCPStore cannot delete keys, so a rank that reaches the
+   second rendezvous before a peer has overwritten its key reads the peer's address from
+   an *earlier* group.  The window lies inside one C++ call, so barriers and retries
+   cannot close it.  Patch: ``collective._new_process_group_impl`` gives every new gloo
+   group its own TCPStore, hosted by the group's rank 0, whose address is published on the
+   global store under a key unique to the group id.
+2. Gloo tags every operation with one counter per group, so p2p with two different peers
+   in one pipeline group desynchronises the tags (PP >= 3 hangs).  Patch:
+   ``HybridCommunicateGroup.__init__`` also creates one 2-rank group per pair of ring
+   neighbours, in the same order on every rank, after fleet's own groups; :mod:`.p2p`
+   sends through them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import socket
+
+__all__ = ["apply", "pair_group", "pair_list", "group_stores", "PAIR_GROUPS_ATTR"]
+
+# Attribute of HybridCommunicateGroup holding {peer global rank: 2-rank Group}.
+PAIR_GROUPS_ATTR = "_ph_p2p_pair_groups"
+
+_STORE_KEY = "paddle_hybrid/gloo_group_store/{}"
+# The per-group stores (and the servers hosted by rank 0) must outlive their groups.
+group_stores: list = []
+
+
+# ---------------------------------------------------------------------------
+# 1. one rendezvous store per gloo group
+# ---------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _group_store(store, rank, world_size, group_id):
+    from paddle.base import core
+
+    timeout = int(os.getenv("FLAGS_stop_check_timeout", "900"))
+    key = _STORE_KEY.format(group_id)
+    if rank == 0:
+        host = os.getenv("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0] or "127.0.0.1"
+        port = _free_port()
+        store.set(key, f"{host}:{port}")
+        private = core.TCPStore(host, port, True, world_size, timeout)
+    else:
+        store.wait(key)
+        host, port = store.get(key).decode().rsplit(":", 1)
+        private = core.TCPStore(host, int(port), False, world_size, timeout)
+    group_stores.append(private)
+    return private
+
+
+def _make_new_pg_impl(orig_impl):
+    @functools.wraps(orig_impl)
+    def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options,
+                                group_id=0, *args, **kwargs):
+        if backend == "gloo" and group_id != 0 and world_size > 1 and store is not None:
+            store = _group_store(store, rank, world_size, group_id)
+        return orig_impl(backend, store, rank, world_size, group_name, pg_options, group_id,
+                         *args, **kwargs)
+
+    return _new_process_group_impl
+
+
+# ---------------------------------------------------------------------------
+# 2. per-neighbour p2p groups, made in HybridCommunicateGroup.__init__
+# ---------------------------------------------------------------------------
+
+def pair_list(topo):
+    """Ring-neighbour pairs of every pipeline, in the same order on every rank."""
+    pairs, seen = [], set()
+    for ranks in topo.get_comm_list("pipe"):
+        n = len(ranks)
+        for i in range(n):
+            a, b = ranks[i], ranks[(i + 1) % n]
+            key = (min(a, b), max(a, b))
+            if a != b and key not in seen:
+                seen.add(key)
+                pairs.append(key)
+    return pairs
+
+
+def _make_hcg_init(orig_init):
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        import paddle.distributed as dist
+
+        orig_init(self, *args, **kwargs)
+        groups = {}
+        if self._pp_degree > 1:
+            for a, b in pair_list(self._topo):  # every rank creates every pair group
+                group = dist.new_group(ranks=[a, b])
+                if self.global_rank == a:
+                    groups[b] = group
+                elif self.global_rank == b:
+                    groups[a] = group
+        setattr(self, PAIR_GROUPS_ATTR, groups)
+
+    return __init__
+
+
+def pair_group(hcg, peer):
+    """The 2-rank gloo group of this rank and pipeline neighbour ``peer``."""
+    groups = getattr(hcg, PAIR_GROUPS_ATTR, None)
+    if groups is None:
+        raise RuntimeError(
+            "paddle_hybrid.cpu: the hybrid communicate group was built before paddle_hybrid was "
+            "installed, so it has no per-neighbour p2p groups (gloo needs them). "
+            "Import paddle_hybrid before fleet.init()."
+        )
+    try:
+        return groups[peer]
+    except KeyError:
+        raise RuntimeError(f"paddle_hybrid.cpu: no p2p group with rank {peer}; known peers "
+                           f"{sorted(groups)}.") from None
+
+
+def apply(patcher) -> None:
+    import paddle.distributed.collective as collective
+    from paddle.distributed.fleet.base import topology
+
+    hcg_cls = topology.HybridCommunicateGroup
+    patcher.check_params(hcg_cls.__init__, ["self", "topology", "hybrid_configs"],
+                         "HybridCommunicateGroup.__init__")
+    patcher.check_params(collective._new_process_group_impl,
+                         ["backend", "store", "rank", "world_size", "group_name", "pg_options", "group_id",
+                          "nccl_comm_init_option", "nccl_config"], "collective._new_process_group_impl")
+    patcher.set(collective, "_new_process_group_impl", _make_new_pg_impl(collective._new_process_group_impl))
+    patcher.set(hcg_cls, "__init__", _make_hcg_init(hcg_cls.__init__))
