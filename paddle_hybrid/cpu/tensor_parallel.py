@@ -1,8 +1,377 @@
-"""(being written) CPU/gloo concern: tensor_parallel."""
+"""Tensor parallel (``mp_degree > 1``) on gloo.
+
+Stock Paddle 3.3.1 stops a CPU tensor-parallel run in these places; each is replaced,
+in dygraph only (static and PIR programs keep Paddle's ops), by autograd functions over
+the gloo collectives ``all_reduce`` and ``all_gather``:
+
+1. ``TensorParallel._pre_forward`` -> ``broadcast_input_data`` asserts "Only support xpu,
+   gpu and custom_device now, but this is cpu".  Patch: on CPU the inputs are broadcast
+   from the model-parallel source rank in place (nested lists/tuples/dicts as Paddle
+   walks them); other devices keep Paddle's function.
+2. ``_c_identity`` (the entry of ``ColumnParallelLinear``): the CPU kernel raises "Do not
+   support c_identity for cpu kernel now".  Patch: identity forward, all_reduce(sum)
+   of the gradient over the mp group.
+3. ``_mp_allreduce`` (``RowParallelLinear``, ``VocabParallelEmbedding``): its backward
+   calls the same ``c_identity`` kernel.  Patch: all_reduce(sum) forward, identity
+   backward.
+4. ``_c_split`` (``RowParallelLinear(input_is_parallel=False)``): the CPU kernel raises
+   "Do not support c_split for cpu kernel now".  Patch: own slice of the last dim
+   forward, all_gather + concat on the last dim backward.
+5. ``_c_concat`` (``ColumnParallelLinear(gather_output=True)``): the CPU kernel raises
+   "Do not support c_concat for cpu kernel now".  Patch: all_gather + concat on the last
+   dim forward, own slice backward.
+6. ``_c_softmax_with_cross_entropy`` (``ParallelCrossEntropy``): a CPU forward kernel
+   exists but no grad kernel, so it cannot train.  Patch: the vocab-parallel softmax
+   cross entropy (global max and sum by all_reduce, the label's logit from the rank that
+   holds it), backward ``softmax - one_hot`` on the local vocab slice, ``ignore_index``
+   rows zero in both.
+
+``_c_lookup_table`` (``c_embedding``) and the model-parallel RNG tracker already work on
+CPU and are not touched.  Every function is also reachable as
+``paddle.distributed.collective.<name>``, which is patched alongside ``mp_ops``.
+"""
 from __future__ import annotations
 
-__all__ = ["apply"]
+import functools
+
+__all__ = ["apply", "PATCHED_MP_OPS"]
+
+# mp_ops functions replaced, with the parameter names they were written against (3.3.1).
+PATCHED_MP_OPS = {
+    "_c_identity": ["tensor", "group", "skip_c_identity_dynamic"],
+    "_mp_allreduce": ["tensor", "op", "group", "use_calc_stream", "use_model_parallel",
+                      "skip_c_identity_dynamic"],
+    "_c_split": ["tensor", "group"],
+    "_c_concat": ["tensor", "group"],
+    "_c_softmax_with_cross_entropy": ["logits", "label", "group", "return_softmax", "ignore_index"],
+}
+
+
+# ---------------------------------------------------------------------------
+# group helpers
+# ---------------------------------------------------------------------------
+
+def _resolve(group):
+    """(group or the default group, this rank's index in it, its size)."""
+    from paddle.distributed import collective
+
+    group = collective._get_default_group() if group is None else group
+    return group, group.rank, group.nranks
+
+
+def _sum_(tensor, group):
+    import paddle.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def _gather_last_dim(tensor, group, nranks):
+    import paddle
+    import paddle.distributed as dist
+
+    parts = []
+    dist.all_gather(parts, tensor.contiguous() if hasattr(tensor, "contiguous") else tensor, group=group)
+    if len(parts) != nranks:
+        raise RuntimeError(f"paddle_hybrid.cpu: all_gather returned {len(parts)} parts for {nranks} ranks.")
+    return paddle.concat(parts, axis=-1)
+
+
+def _own_last_dim_slice(tensor, rank, nranks):
+    import paddle
+
+    width = tensor.shape[-1]
+    if width % nranks:
+        raise ValueError(f"paddle_hybrid.cpu: last dimension {width} is not divisible by the "
+                         f"model-parallel degree {nranks}; make the split dimension a multiple of it.")
+    return paddle.split(tensor, nranks, axis=-1)[rank].clone()
+
+
+# ---------------------------------------------------------------------------
+# autograd functions
+# ---------------------------------------------------------------------------
+
+def _py_layers():
+    """Built on first use, so importing this module needs no Paddle."""
+    import paddle
+    from paddle.autograd import PyLayer
+
+    class IdentityForwardSumBackward(PyLayer):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            return _sum_(dy.clone(), ctx.group)
+
+    class SumForwardIdentityBackward(PyLayer):
+        @staticmethod
+        def forward(ctx, x, group):
+            return _sum_(x.clone(), group)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy
+
+    class SplitLastDim(PyLayer):
+        @staticmethod
+        def forward(ctx, x, group, rank, nranks):
+            ctx.group, ctx.nranks = group, nranks
+            return _own_last_dim_slice(x, rank, nranks)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return _gather_last_dim(dy, ctx.group, ctx.nranks)
+
+    class GatherLastDim(PyLayer):
+        @staticmethod
+        def forward(ctx, x, group, rank, nranks):
+            ctx.rank, ctx.nranks = rank, nranks
+            return _gather_last_dim(x, group, nranks)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return _own_last_dim_slice(dy, ctx.rank, ctx.nranks)
+
+    class VocabParallelSoftmaxCrossEntropy(PyLayer):
+        """Loss of logits split over the last (vocab) dim; label holds global ids, [..., 1]."""
+
+        @staticmethod
+        def forward(ctx, logits, label, group, rank, ignore_index):
+            import paddle.distributed as dist
+
+            local_vocab = logits.shape[-1]
+            start = rank * local_vocab
+            # Phase 1: stable softmax over the whole vocab (global max, global sum).
+            gmax = logits.max(axis=-1, keepdim=True)
+            dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+            exp = paddle.exp(logits - gmax)
+            gsum = exp.sum(axis=-1, keepdim=True)
+            _sum_(gsum, group)
+            # Phase 2: the label's logit, contributed by the one rank whose slice holds it.
+            label = label.astype("int64")
+            in_slice = paddle.logical_and(label >= start, label < start + local_vocab)
+            local_idx = paddle.where(in_slice, label - start, paddle.zeros_like(label))
+            picked = paddle.take_along_axis(logits - gmax, local_idx, axis=-1)
+            picked = paddle.where(in_slice, picked, paddle.zeros_like(picked))
+            _sum_(picked, group)
+            # Phase 3: loss, zero where the label is ignore_index.
+            keep = (label != ignore_index).astype(logits.dtype)
+            loss = (paddle.log(gsum) - picked) * keep
+            softmax = exp / gsum
+            ctx.save_for_backward(softmax, local_idx, in_slice.astype(logits.dtype), keep)
+            ctx.mark_non_differentiable(softmax)
+            return loss, softmax
+
+        @staticmethod
+        def backward(ctx, dloss, dsoftmax=None):
+            softmax, local_idx, in_slice, keep = ctx.saved_tensor()
+            one_hot = paddle.nn.functional.one_hot(local_idx.squeeze(-1), softmax.shape[-1])
+            grad = (softmax - one_hot.astype(softmax.dtype) * in_slice) * (dloss * keep)
+            return grad, None
+
+    return {
+        "identity_sum": IdentityForwardSumBackward,
+        "sum_identity": SumForwardIdentityBackward,
+        "split": SplitLastDim,
+        "gather": GatherLastDim,
+        "cross_entropy": VocabParallelSoftmaxCrossEntropy,
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _layers():
+    return _py_layers()
+
+
+# ---------------------------------------------------------------------------
+# replacements (dygraph: ours; static/PIR: Paddle's)
+# ---------------------------------------------------------------------------
+
+def _dygraph_only(orig):
+    """Wrap a replacement so static and PIR programs keep Paddle's original."""
+
+    def decorate(replacement):
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):
+            import paddle
+
+            if not paddle.in_dynamic_mode():
+                return orig(*args, **kwargs)
+            return replacement(*args, **kwargs)
+
+        wrapper.__wrapped_original__ = orig
+        return wrapper
+
+    return decorate
+
+
+def _not_member(group):
+    return group is not None and not group.is_member()
+
+
+def _make_c_identity(orig):
+    @_dygraph_only(orig)
+    def _c_identity(tensor, group=None, skip_c_identity_dynamic=False):
+        if _not_member(group):
+            return None
+        if skip_c_identity_dynamic:  # the user asked for no op at all (mp_skip_c_identity)
+            return tensor
+        group, _, _ = _resolve(group)
+        return _layers()["identity_sum"].apply(tensor, group)
+
+    return _c_identity
+
+
+def _make_mp_allreduce(orig):
+    @_dygraph_only(orig)
+    def _mp_allreduce(tensor, op=None, group=None, use_calc_stream=True, use_model_parallel=True,
+                      skip_c_identity_dynamic=False):
+        from paddle.distributed import ReduceOp
+
+        if _not_member(group):
+            return None
+        if op is not None and op != ReduceOp.SUM:
+            raise ValueError(f"paddle_hybrid.cpu: _mp_allreduce supports ReduceOp.SUM only, got {op}.")
+        group, _, _ = _resolve(group)
+        return _layers()["sum_identity"].apply(tensor, group)
+
+    return _mp_allreduce
+
+
+def _make_c_split(orig):
+    @_dygraph_only(orig)
+    def _c_split(tensor, group=None):
+        if _not_member(group):
+            return None
+        group, rank, nranks = _resolve(group)
+        return _layers()["split"].apply(tensor, group, rank, nranks)
+
+    return _c_split
+
+
+def _make_c_concat(orig):
+    @_dygraph_only(orig)
+    def _c_concat(tensor, group=None):
+        if _not_member(group):
+            return None
+        group, rank, nranks = _resolve(group)
+        return _layers()["gather"].apply(tensor, group, rank, nranks)
+
+    return _c_concat
+
+
+def _make_cross_entropy(orig):
+    @_dygraph_only(orig)
+    def _c_softmax_with_cross_entropy(logits, label, group=None, return_softmax=False, ignore_index=-100):
+        import paddle
+
+        if _not_member(group):
+            return None
+        group, rank, nranks = _resolve(group)
+        if len(label.shape) == len(logits.shape) - 1:
+            label = paddle.unsqueeze(label, axis=-1)
+        if len(label.shape) != len(logits.shape) or label.shape[-1] != 1:
+            raise ValueError(
+                f"paddle_hybrid.cpu: ParallelCrossEntropy on CPU takes hard labels of shape "
+                f"logits.shape[:-1] or logits.shape[:-1] + [1]; got label {label.shape} for logits "
+                f"{logits.shape}.")
+        loss, softmax = _layers()["cross_entropy"].apply(logits, label, group, rank, ignore_index)
+        return (loss, softmax) if return_softmax else loss
+
+    return _c_softmax_with_cross_entropy
+
+
+# ---------------------------------------------------------------------------
+# 1. input broadcast
+# ---------------------------------------------------------------------------
+
+def _broadcast_tensor_(tensor, group, src):
+    """Broadcast ``tensor`` from ``src`` in place; a rank whose tensor has another shape
+    takes the source's (as Paddle's GPU path does)."""
+    import paddle
+    import paddle.distributed as dist
+
+    shape = paddle.to_tensor(list(tensor.shape) + [0] * (8 - len(tensor.shape)) + [len(tensor.shape)],
+                             dtype="int64")
+    dist.broadcast(shape, src=src, group=group)
+    ndim = int(shape[-1])
+    src_shape = [int(d) for d in shape.numpy()[:ndim]]
+    if src_shape == list(tensor.shape):
+        dist.broadcast(tensor, src=src, group=group)
+        return
+    buffer = paddle.zeros(src_shape, dtype=tensor.dtype)
+    dist.broadcast(buffer, src=src, group=group)
+    # assign resizes the destination; _share_buffer_to (Paddle's GPU path) keeps the old
+    # shape over the new buffer and reads past its end.
+    paddle.assign(buffer, output=tensor)
+
+
+def _broadcast_nested_(data, group, src):
+    import paddle
+    import paddle.distributed as dist
+
+    if isinstance(data, paddle.Tensor):
+        if len(data.shape) > 8:
+            raise ValueError(f"paddle_hybrid.cpu: broadcast_input_data supports up to 8 dims, got {data.shape}.")
+        with paddle.no_grad():
+            _broadcast_tensor_(data, group, src)
+    elif isinstance(data, dict):
+        for value in data.values():
+            _broadcast_nested_(value, group, src)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            _broadcast_nested_(value, group, src)
+    else:
+        dist.broadcast_object_list([data], src=src, group=group)
+
+
+def _make_broadcast_input_data(orig):
+    @functools.wraps(orig)
+    def broadcast_input_data(hcg, *inputs, **kwargs):
+        import paddle
+
+        if paddle.get_device().split(":")[0] != "cpu":
+            return orig(hcg, *inputs, **kwargs)
+        group = hcg.get_model_parallel_group()
+        src = hcg.get_model_parallel_group_src_rank()
+        _broadcast_nested_(inputs, group, src)
+        _broadcast_nested_(kwargs, group, src)
+        return inputs, kwargs
+
+    return broadcast_input_data
+
+
+# ---------------------------------------------------------------------------
+
+_MAKERS = {
+    "_c_identity": _make_c_identity,
+    "_mp_allreduce": _make_mp_allreduce,
+    "_c_split": _make_c_split,
+    "_c_concat": _make_c_concat,
+    "_c_softmax_with_cross_entropy": _make_cross_entropy,
+}
 
 
 def apply(patcher) -> None:
-    pass
+    import paddle.distributed.collective as collective
+    from paddle.distributed.fleet.layers.mpu import mp_ops
+    from paddle.distributed.fleet.meta_parallel import tensor_parallel
+    from paddle.distributed.fleet.utils import hybrid_parallel_util
+
+    for name, params in PATCHED_MP_OPS.items():
+        patcher.check_params(patcher.require(mp_ops, name, "mp_ops"), params, f"mp_ops.{name}")
+    bcast = patcher.require(hybrid_parallel_util, "broadcast_input_data", "hybrid_parallel_util")
+    patcher.check_params(bcast, ["hcg", "inputs", "kwargs"], "hybrid_parallel_util.broadcast_input_data")
+    patcher.require(tensor_parallel, "broadcast_input_data", "meta_parallel.tensor_parallel")
+
+    for name, make in _MAKERS.items():
+        replacement = make(getattr(mp_ops, name))
+        patcher.set(mp_ops, name, replacement)
+        if getattr(collective, name, None) is replacement.__wrapped_original__:
+            patcher.set(collective, name, replacement)
+    new_bcast = _make_broadcast_input_data(bcast)
+    patcher.set(hybrid_parallel_util, "broadcast_input_data", new_bcast)
+    patcher.set(tensor_parallel, "broadcast_input_data", new_bcast)
