@@ -31,7 +31,7 @@ __all__ = ["install", "uninstall", "is_active", "patched", "SUPPORTED_PADDLE", "
 SUPPORTED_PADDLE = ("3.3.",)
 
 # Applied in this order (groups before p2p, which sends through them).
-CONCERNS = ["device", "groups", "p2p", "tensor_parallel", "sharding", "recompute", "timers",
+CONCERNS = ["device", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute", "timers",
             "virtual_pipeline"]
 
 _patcher = Patcher()
