@@ -2,7 +2,7 @@
 
 Stock Paddle 3.3.1 stops on a CPU build in many places; each concern below is one
 module with an ``apply(patcher)`` that checks what it replaces, then replaces it
-through the shared :class:`~._patcher.Patcher`.  :func:`install` applies them all
+through the shared :class:`paddle_hybrid.patching.Patcher`.  :func:`install` applies them all
 or none (a failure reverts what was applied and raises); :func:`uninstall`
 restores every original.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from ._patcher import Patcher, PatchSignatureError
+from ..patching import Patcher, PatchSignatureError
 
 __all__ = ["install", "uninstall", "is_active", "patched", "SUPPORTED_PADDLE", "CONCERNS",
            "PatchSignatureError"]
@@ -34,7 +34,7 @@ SUPPORTED_PADDLE = ("3.3.",)
 CONCERNS = ["device", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute", "timers",
             "virtual_pipeline"]
 
-_patcher = Patcher()
+_patcher = Patcher("paddle_hybrid.cpu", "PADDLE_HYBRID_CPU_HYBRID=off (PluginConfig(cpu_hybrid='off'))")
 
 
 def _wanted(mode: str) -> bool:

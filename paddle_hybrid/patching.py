@@ -1,5 +1,5 @@
-"""The one place the CPU/gloo concerns change Paddle: every change is recorded with
-its original, checked before it is made, and undone newest-first as a unit."""
+"""How a component changes Paddle: every change is recorded with its original, checked
+before it is made, and undone newest-first as a unit (:class:`Patcher`)."""
 from __future__ import annotations
 
 import inspect
@@ -22,7 +22,10 @@ class Patcher:
     :meth:`revert` restores every original, newest first.
     """
 
-    def __init__(self):
+    def __init__(self, component: str, off_switch: str):
+        """``component`` names who patches in error messages (``"paddle_hybrid.cpu"``);
+        ``off_switch`` is the setting that turns the component off, quoted in them."""
+        self.component, self.off_switch = component, off_switch
         self._lock = threading.RLock()
         self._saved: list[tuple[object, str, object]] = []
 
@@ -34,26 +37,24 @@ class Patcher:
         """``(owner, name)`` of every replaced attribute, in patch order."""
         return [(owner, name) for owner, name, _ in self._saved]
 
-    @staticmethod
-    def check_params(fn, names, where: str) -> None:
+    def check_params(self, fn, names, where: str) -> None:
         try:
             got = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             got = None
         if got != list(names):
             raise PatchSignatureError(
-                f"paddle_hybrid.cpu: {where} has parameters {got}, expected {list(names)}; this Paddle "
-                "differs from the one the CPU/gloo patches were written for. Set "
-                "PADDLE_HYBRID_CPU_HYBRID=off (PluginConfig(cpu_hybrid='off')) to run without them."
+                f"{self.component}: {where} has parameters {got}, expected {list(names)}; this Paddle "
+                f"differs from the one these patches were written for. Set {self.off_switch} to run "
+                "without them."
             )
 
-    @staticmethod
-    def require(owner, name: str, where: str):
+    def require(self, owner, name: str, where: str):
         """``getattr(owner, name)``, or a clear error naming what this Paddle lacks."""
         if not hasattr(owner, name):
             raise PatchSignatureError(
-                f"paddle_hybrid.cpu: {where} has no attribute {name!r}; unexpected Paddle. Set "
-                "PADDLE_HYBRID_CPU_HYBRID=off to run without the CPU/gloo patches.")
+                f"{self.component}: {where} has no attribute {name!r}; unexpected Paddle. Set "
+                f"{self.off_switch} to run without these patches.")
         return getattr(owner, name)
 
     def set(self, owner, name: str, value) -> None:
