@@ -1,16 +1,22 @@
-"""Train a small GPT with fleet hybrid parallel (pipeline, virtual pipeline, data parallel).
+"""Train a small GPT with fleet hybrid parallel (pipeline, virtual pipeline, tensor,
+sequence and data parallel).
 
 On CPU it runs over gloo (``import paddle_hybrid`` makes fleet's hybrid parallel work
 there); on GPUs it runs as usual with NCCL.  Launch it with
-``python -m paddle.distributed.launch`` and as many processes as ``--pp * --dp``:
+``python -m paddle.distributed.launch`` and as many processes as ``--pp * --mp * --dp``:
 
     python -m paddle.distributed.launch --nproc_per_node 2 examples/gpt_pp.py
     python -m paddle.distributed.launch --nproc_per_node 4 examples/gpt_pp.py --pp 2 --dp 2
     python -m paddle.distributed.launch --nproc_per_node 3 examples/gpt_pp.py --pp 3 --vp 2 --accumulate-steps 6
+    python -m paddle.distributed.launch --nproc_per_node 8 examples/gpt_pp.py --pp 2 --mp 2 --dp 2 --sequence-parallel
 
 The model: token embedding shared between the first and the last stage
 (``SharedLayerDesc``, tied LM head), ``--layers`` pre-LayerNorm transformer blocks,
-final LayerNorm.  The data: a character-level corpus generated deterministically
+final LayerNorm.  With ``--mp`` the embedding is vocab-parallel, attention and MLP are
+column/row parallel (heads split over the mp ranks) and the loss is fleet's
+``ParallelCrossEntropy``.  Every weight is drawn from NumPy by (seed, layer, name) and
+sliced for the rank, so any layout starts from the same model and, without dropout,
+trains to the same losses as one process (up to float summation order).  The data: a character-level corpus generated deterministically
 from ``--seed`` (no download).  Rank 0 prints one line per step; at the end a
 summary, a JSON log and, when matplotlib is installed, a loss-curve PNG.
 """
@@ -40,8 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree")
-    g.add_argument("--vp", type=int, default=1, help="virtual pipeline chunks per stage (interleaved; needs pp > 2)")
+    g.add_argument("--vp", type=int, default=1, help="virtual pipeline chunks per stage (interleaved; pp >= 2)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    g.add_argument("--mp", type=int, default=1,
+                   help="tensor-parallel degree (vocab-parallel embedding and loss, column/row parallel blocks)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism in the tensor-parallel region (needs --mp > 1)")
+    g.add_argument("--recompute", action="store_true",
+                   help="recompute every block in backward (PipelineLayer(recompute_interval=1))")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per microbatch")
     g.add_argument("--accumulate-steps", type=int, default=4, help="microbatches per step")
     g = p.add_argument_group("model and data")
@@ -73,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check the arguments against each other (and the world size); raise
     :class:`ArgError` naming the flag to change."""
-    for name in ("pp", "vp", "dp", "micro_batch_size", "accumulate_steps", "layers", "hidden", "heads", "seq_len",
+    for name in ("pp", "vp", "dp", "mp", "micro_batch_size", "accumulate_steps", "layers", "hidden", "heads", "seq_len",
                  "steps", "log_every"):
         if getattr(args, name) < 1:
             raise ArgError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -88,8 +100,9 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
             "the same number of blocks."
         )
     if args.vp > 1:
-        if args.pp <= 2:
-            raise ArgError("--vp > 1 (interleaved schedule) needs --pp > 2 in Paddle's fleet.")
+        if args.pp < 2:
+            raise ArgError("--vp > 1 (interleaved schedule) needs --pp >= 2 (--pp 2 needs paddle_hybrid's CPU "
+                           "support; stock fleet asks for --pp > 2).")
         if args.accumulate_steps < 2 * args.pp or args.accumulate_steps % args.pp:
             raise ArgError(
                 f"--vp > 1 needs --accumulate-steps to be a multiple of --pp and >= 2 x --pp "
@@ -97,12 +110,31 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
             )
     if args.bucket_mb <= 0:
         raise ArgError(f"--bucket-mb must be > 0, got {args.bucket_mb}.")
-    if world_size is not None and args.pp * args.dp != world_size:
+    if args.mp > 1 and args.heads % args.mp:
+        raise ArgError(f"--heads ({args.heads}) must be a multiple of --mp ({args.mp}): each tensor-parallel rank "
+                       "computes whole heads.")
+    if args.sequence_parallel:
+        if args.mp == 1:
+            raise ArgError("--sequence-parallel splits the sequence over the tensor-parallel ranks; it needs --mp > 1.")
+        if args.seq_len % args.mp:
+            raise ArgError(f"--seq-len ({args.seq_len}) must be a multiple of --mp ({args.mp}) with "
+                           "--sequence-parallel.")
+    if args.mp > 1 and args.cudagraph:
+        raise ArgError("--cudagraph with --mp > 1 is not supported (collectives inside a captured stage); "
+                       "drop one of them.")
+    procs = args.pp * args.mp * args.dp
+    if world_size is not None and procs != world_size:
         raise ArgError(
-            f"--pp x --dp = {args.pp * args.dp} but {world_size} processes were launched; launch with "
-            f"--nproc_per_node {args.pp * args.dp} or change --pp/--dp."
+            f"--pp x --mp x --dp = {procs} but {world_size} processes were launched; launch with "
+            f"--nproc_per_node {procs} or change --pp/--mp/--dp."
         )
     return args
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """The embedding's row count: the vocabulary rounded up to a multiple of 8, the same
+    for every layout (so any --mp in 1, 2, 4, 8 splits it evenly and layouts compare)."""
+    return -(-vocab_size // 8) * 8
 
 
 # --------------------------------------------------------------------------- data
@@ -153,80 +185,170 @@ class CharData:
 # --------------------------------------------------------------------------- model
 
 
-def build_model(args, vocab_size: int, topology):
+def _normal(seed: int, key: tuple, shape, std: float) -> np.ndarray:
+    """A full (unsplit) weight, the same for every layout: NumPy, keyed by (seed, layer, name)."""
+    rng = np.random.default_rng([seed, *key])
+    return (std * rng.standard_normal(shape)).astype("float32")
+
+
+def _qkv_columns_by_head(w: np.ndarray, heads: int) -> np.ndarray:
+    """Reorder the [h, 3h] q|k|v columns to head-major (q, k, v of head 0, then head 1, ...),
+    so that a column split over the mp ranks gives each rank whole heads."""
+    h = w.shape[0]
+    return w.reshape(h, 3, heads, h // heads).transpose(0, 2, 1, 3).reshape(h, 3 * h)
+
+
+def build_model(args, vocab_size: int, topology, hcg):
     import paddle
     import paddle.nn as nn
     import paddle.nn.functional as F
+    from paddle.distributed.fleet.layers import mpu
+    from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
+    from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
-    init = nn.initializer.Normal(std=0.02)
+    mp, mp_rank = hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()
+    sp = args.sequence_parallel
+    vocab = padded_vocab(vocab_size)
+    if vocab % mp:
+        raise ArgError(f"--mp ({mp}) must divide the padded vocabulary ({vocab}); use 1, 2, 4 or 8.")
+    h, layers = args.hidden, args.layers
+    out_std = 0.02 / math.sqrt(2 * layers)
 
-    class EmbeddingPipe(nn.Layer):
-        """Token + position embedding; its `weight` is tied to the LM head."""
+    def load(param, full, split=None):
+        """Set ``param`` to this mp rank's slice of ``full`` (split "cols", "rows" or None)."""
+        if split and mp > 1:
+            full = np.split(full, mp, axis=1 if split == "cols" else 0)[mp_rank]
+        param.set_value(full)
+
+    def mp_dropout(x):
+        """Dropout on activations that differ between mp ranks (split heads, split sequence):
+        fleet's model-parallel RNG, so each rank draws its own mask."""
+        if args.dropout == 0.0:
+            return x
+        if mp == 1:
+            return F.dropout(x, args.dropout, training=True)
+        with get_rng_state_tracker().rng_state():
+            return F.dropout(x, args.dropout, training=True)
+
+    def replicated_dropout(x):
+        return mp_dropout(x) if sp else F.dropout(x, args.dropout, training=True) if args.dropout else x
+
+    column = spu.ColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
+    row = spu.RowSequenceParallelLinear if sp else mpu.RowParallelLinear
+
+    def layer_norm(key):
+        ln = nn.LayerNorm(h)
+        if sp:  # every rank normalises its own tokens; the gradients are summed over mp
+            spu.mark_as_sequence_parallel_parameter(ln.weight)
+            spu.mark_as_sequence_parallel_parameter(ln.bias)
+        return ln
+
+    class EmbeddingPipe(mpu.VocabParallelEmbedding):
+        """Vocab-parallel token embedding (its `weight` is tied to the LM head) + positions.
+        Out: [b, s, h], or this rank's [s/mp, b, h] with sequence parallelism."""
 
         def __init__(self):
-            super().__init__()
-            self.weight = self.create_parameter([vocab_size, args.hidden], default_initializer=init)
-            self.pos = self.create_parameter([args.seq_len, args.hidden], default_initializer=init)
-            self.drop = nn.Dropout(args.dropout)
+            super().__init__(vocab, h)
+            load(self.weight, _normal(args.seed, (0, 0), (vocab, h), 0.02), "rows")
+            self.pos = self.create_parameter([args.seq_len, h])
+            load(self.pos, _normal(args.seed, (0, 1), (args.seq_len, h), 0.02))
 
         def forward(self, ids):
-            h = F.embedding(ids, self.weight) + self.pos[: ids.shape[1]]
-            return self.drop(h)
+            x = super().forward(ids) + self.pos[: ids.shape[1]]
+            if sp:
+                x = spu.ScatterOp.apply(x.transpose([1, 0, 2]))
+            return replicated_dropout(x)
 
     class BlockPipe(nn.Layer):
-        """Pre-LayerNorm transformer block with causal self-attention."""
+        """Pre-LayerNorm transformer block, causal self-attention; heads split over mp."""
 
-        def __init__(self):
+        def __init__(self, index):
             super().__init__()
-            h = args.hidden
-            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-            self.qkv = nn.Linear(h, 3 * h, weight_attr=nn.initializer.Normal(std=0.02))
-            self.proj = nn.Linear(h, h, weight_attr=nn.initializer.Normal(std=0.02 / math.sqrt(2 * args.layers)))
-            self.fc1 = nn.Linear(h, 4 * h, weight_attr=nn.initializer.Normal(std=0.02))
-            self.fc2 = nn.Linear(4 * h, h, weight_attr=nn.initializer.Normal(std=0.02 / math.sqrt(2 * args.layers)))
-            self.drop = nn.Dropout(args.dropout)
+            key = lambda name: (index, sum(map(ord, name)))  # noqa: E731
+            self.ln1, self.ln2 = layer_norm("ln1"), layer_norm("ln2")
+            self.qkv = column(h, 3 * h, gather_output=False, has_bias=True)
+            self.proj = row(h, h, input_is_parallel=True, has_bias=True)
+            self.fc1 = column(h, 4 * h, gather_output=False, has_bias=True)
+            self.fc2 = row(4 * h, h, input_is_parallel=True, has_bias=True)
+            load(self.qkv.weight, _qkv_columns_by_head(_normal(args.seed, key("qkv"), (h, 3 * h), 0.02), args.heads),
+                 "cols")
+            load(self.proj.weight, _normal(args.seed, key("proj"), (h, h), out_std), "rows")
+            load(self.fc1.weight, _normal(args.seed, key("fc1"), (h, 4 * h), 0.02), "cols")
+            load(self.fc2.weight, _normal(args.seed, key("fc2"), (4 * h, h), out_std), "rows")
+            for lin in (self.qkv, self.proj, self.fc1, self.fc2):
+                lin.bias.set_value(np.zeros(lin.bias.shape, "float32"))
+
+        def attention(self, x):
+            qkv = self.qkv(self.ln1(x))  # [b, t, 3h/mp], or [t, b, 3h/mp] with sp (gathered)
+            if sp:
+                qkv = qkv.transpose([1, 0, 2])
+            b, t, _ = qkv.shape
+            nh, hd = args.heads // mp, h // args.heads
+            q, k, v = qkv.reshape([b, t, nh, 3, hd]).transpose([3, 0, 2, 1, 4])
+            att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(hd)
+            mask = paddle.triu(paddle.full([t, t], float("-inf"), dtype=att.dtype), diagonal=1)
+            att = mp_dropout(F.softmax(att + mask, axis=-1))
+            y = paddle.matmul(att, v).transpose([0, 2, 1, 3]).reshape([b, t, nh * hd])
+            return self.proj(y.transpose([1, 0, 2]) if sp else y)
 
         def forward(self, x):
-            b, t, h = x.shape
-            nh = args.heads
-            qkv = self.qkv(self.ln1(x)).reshape([b, t, 3, nh, h // nh]).transpose([2, 0, 3, 1, 4])
-            q, k, v = qkv[0], qkv[1], qkv[2]
-            att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(h // nh)
-            mask = paddle.triu(paddle.full([t, t], float("-inf"), dtype=att.dtype), diagonal=1)
-            att = F.softmax(att + mask, axis=-1)
-            y = paddle.matmul(self.drop(att), v).transpose([0, 2, 1, 3]).reshape([b, t, h])
-            x = x + self.drop(self.proj(y))
-            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+            x = x + replicated_dropout(self.attention(x))
+            return x + replicated_dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
-    class FinalNormPipe(nn.LayerNorm):
-        pass
+    class FinalNormPipe(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.norm = layer_norm("final")
+
+        def forward(self, x):
+            x = self.norm(x)
+            return spu.GatherOp.apply(x).transpose([1, 0, 2]) if sp else x
 
     def lm_head(embedding, x):
+        """Tied LM head: vocab-split logits; with mp the input's gradient is summed over ranks."""
+        if mp > 1:
+            x = mp_ops._c_identity(x, group=hcg.get_model_parallel_group())
         return paddle.matmul(x, embedding.weight, transpose_y=True)
 
     class LMLoss(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.parallel_ce = mpu.ParallelCrossEntropy() if mp > 1 else None
+
         def forward(self, logits, labels):
-            return F.cross_entropy(logits.reshape([-1, vocab_size]), labels.reshape([-1])).mean()
+            if self.parallel_ce is not None:
+                return self.parallel_ce(logits, labels).mean()
+            return F.cross_entropy(logits.reshape([-1, vocab]), labels.reshape([-1])).mean()
 
     descs = [SharedLayerDesc("embed", EmbeddingPipe, shared_weight_attr="weight")]
-    descs += [LayerDesc(BlockPipe) for _ in range(args.layers)]
-    descs += [LayerDesc(FinalNormPipe, args.hidden),
+    descs += [LayerDesc(BlockPipe, i + 1) for i in range(layers)]
+    descs += [LayerDesc(FinalNormPipe),
               SharedLayerDesc("embed", EmbeddingPipe, forward_func=lm_head, shared_weight_attr="weight")]
     kwargs = {}
     if args.vp > 1:
         kwargs["num_virtual_pipeline_stages"] = args.vp
-    return PipelineLayer(layers=descs, topology=topology, loss_fn=LMLoss(), seg_method="layer:BlockPipe",
-                         use_cudagraph=args.cudagraph, **kwargs)
+    loss_fn = LMLoss()
+    model = PipelineLayer(layers=descs, topology=topology, loss_fn=loss_fn, seg_method="layer:BlockPipe",
+                          use_cudagraph=args.cudagraph, recompute_interval=1 if args.recompute else 0,
+                          recompute_ctx={"mp_group": hcg.get_model_parallel_group(), "offload": False,
+                                         "partition": False}, **kwargs)
+    if sp:
+        spu.register_sequence_parallel_allreduce_hooks(model, args.accumulate_steps, False)
+    return model, loss_fn
 
 
 def make_strategy(args):
     from paddle.distributed import fleet
 
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": 1, "pp_degree": args.pp, "sharding_degree": 1,
+    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": args.mp, "pp_degree": args.pp,
+                               "sharding_degree": 1,
                                "pp_configs": {"use_batch_p2p_comm": bool(args.batch_p2p)}}
     strategy.pipeline_configs = {"accumulate_steps": args.accumulate_steps, "micro_batch_size": args.micro_batch_size}
+    # fleet seeds the model-parallel RNG at init; from --seed, not a random draw
+    strategy.tensor_parallel_configs = {"tensor_init_seed": args.seed}
     strategy.fuse_all_reduce_ops = bool(args.fuse_allreduce)
     strategy.fuse_grad_size_in_MB = args.bucket_mb
     return strategy
@@ -260,6 +382,40 @@ def save_plot(path: str, losses: list) -> bool:
     return True
 
 
+def layout_tag(args) -> str:
+    """File name stem of a run: ``pp2_vp1_dp1`` plus what is on (``_mp2_sp``, ``_rc``, ...)."""
+    tag = f"pp{args.pp}_vp{args.vp}" + (f"_mp{args.mp}" if args.mp > 1 else "")
+    tag += ("_sp" if args.sequence_parallel else "") + f"_dp{args.dp}"
+    for flag, suffix in (("recompute", "_rc"), ("fuse_allreduce", "_fused"), ("cudagraph", "_graph")):
+        tag += suffix if getattr(args, flag) else ""
+    return tag
+
+
+def train_step(model, loss_fn, opt, sched, x, y, args):
+    """One optimizer step over ``--accumulate-steps`` microbatches; returns the mean loss.
+    With a pipeline fleet's schedule runs them; with --pp 1 they run here in turn."""
+    if args.pp > 1:
+        return model.train_batch([x, y], opt, sched)
+    import contextlib
+
+    total = 0.0
+    mbs = args.micro_batch_size
+    for m in range(args.accumulate_steps):
+        last = m == args.accumulate_steps - 1
+        # DataParallel: reduce the gradients once, on the last microbatch
+        ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
+        with ctx:
+            loss = loss_fn(model(x[m * mbs:(m + 1) * mbs]), y[m * mbs:(m + 1) * mbs])
+            (loss / args.accumulate_steps).backward()
+        total += float(loss)
+    opt.step()
+    sched.step()
+    opt.clear_grad()
+    import paddle
+
+    return paddle.to_tensor([total / args.accumulate_steps])
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -289,7 +445,7 @@ def main(argv=None) -> dict:
         text = make_corpus(args.corpus_chars, args.seed)
     data = CharData(text, args.seq_len, args.seed)
 
-    model = build_model(args, data.vocab_size, hcg.topology())
+    model, loss_fn = build_model(args, data.vocab_size, hcg.topology(), hcg)
     sched = paddle.optimizer.lr.LinearWarmup(
         paddle.optimizer.lr.CosineAnnealingDecay(args.lr, T_max=max(1, args.steps - args.warmup_steps)),
         warmup_steps=args.warmup_steps, start_lr=args.lr / 10, end_lr=args.lr)
@@ -302,7 +458,8 @@ def main(argv=None) -> dict:
     tokens_per_step = per_dp * args.dp * args.seq_len
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
     if rank == 0:
-        print(f"gpt_pp: pp={args.pp} vp={args.vp} dp={args.dp} | {args.layers} blocks, hidden {args.hidden}, "
+        print(f"gpt_pp: pp={args.pp} vp={args.vp} mp={args.mp}{' +sp' if args.sequence_parallel else ''} "
+              f"dp={args.dp}{' recompute' if args.recompute else ''} | {args.layers} blocks, hidden {args.hidden}, "
               f"vocab {data.vocab_size}, {n_params} params on stage 0 | {args.accumulate_steps} microbatches x "
               f"{args.micro_batch_size} x {args.seq_len} tokens per DP rank | fuse_allreduce={args.fuse_allreduce} "
               f"cudagraph={args.cudagraph}", flush=True)
@@ -313,7 +470,7 @@ def main(argv=None) -> dict:
         x, y = data.global_batch(step, per_dp * args.dp)
         x, y = x[dp_rank * per_dp : (dp_rank + 1) * per_dp], y[dp_rank * per_dp : (dp_rank + 1) * per_dp]
         t0 = time.time()
-        loss = model.train_batch([paddle.to_tensor(x), paddle.to_tensor(y)], opt, sched)
+        loss = train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
         step_times.append(time.time() - t0)
         losses.append(float(loss.reshape([-1])[0]))
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
@@ -341,8 +498,7 @@ def main(argv=None) -> dict:
     }
     if rank == 0:
         os.makedirs(args.out_dir, exist_ok=True)
-        tag = f"pp{args.pp}_vp{args.vp}_dp{args.dp}" + ("_fused" if args.fuse_allreduce else "") + \
-              ("_graph" if args.cudagraph else "")
+        tag = layout_tag(args)
         json_path = os.path.join(args.out_dir, f"{tag}.json")
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=1)

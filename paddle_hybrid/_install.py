@@ -19,6 +19,7 @@ COMPONENTS: list[str] = [
     "paddle_hybrid.meta_optimizers",
     "paddle_hybrid.passes.reshard",
     "paddle_hybrid.cpu",
+    "paddle_hybrid.fleet_fixes",
     "paddle_hybrid.dygraph",
     "paddle_hybrid.cuda_graph.pipeline",
 ]

@@ -66,6 +66,10 @@ class PluginConfig:
     ``"auto"`` when Paddle is not compiled with CUDA, ``"on"`` always, ``"off"`` never
     (``PADDLE_HYBRID_CPU_HYBRID``)."""
 
+    fleet_fixes: bool = True
+    """Fix fleet defects that give wrong numbers on any device (:mod:`paddle_hybrid.fleet_fixes`:
+    global-norm clipping with weights shared between pipeline stages) (``PADDLE_HYBRID_FLEET_FIXES``)."""
+
     grad_buckets: bool = True
     """Let the fleet strategy's ``fuse_all_reduce_ops`` turn on the plugin's fused gradient
     buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.dygraph`); False keeps
@@ -124,6 +128,7 @@ class PluginConfig:
             reshard_deferred_sync=_env_bool("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", True),
             pipeline_send_wait=_env_bool("PADDLE_HYBRID_PIPELINE_SEND_WAIT", True),
             cpu_hybrid=(os.environ.get("PADDLE_HYBRID_CPU_HYBRID") or "auto").strip().lower(),
+            fleet_fixes=_env_bool("PADDLE_HYBRID_FLEET_FIXES", True),
             grad_buckets=_env_bool("PADDLE_HYBRID_GRAD_BUCKETS", True),
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
             static_fuse_allreduce=_env_bool("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE", True),

@@ -43,7 +43,12 @@ def test_feature_flags(gpt):
 
 @pytest.mark.parametrize("argv,world,message", [
     (["--pp", "2", "--dp", "2"], 2, "--nproc_per_node 4"),
-    (["--vp", "2"], 2, "needs --pp > 2"),
+    (["--vp", "2", "--pp", "1"], 1, "needs --pp >= 2"),
+    (["--mp", "2"], 2, "--nproc_per_node 4"),
+    (["--sequence-parallel", "--pp", "1"], 1, "needs --mp > 1"),
+    (["--mp", "2", "--pp", "1", "--heads", "3", "--hidden", "30"], 2, "multiple of --mp"),
+    (["--mp", "2", "--pp", "1", "--sequence-parallel", "--seq-len", "33"], 2, "--seq-len"),
+    (["--mp", "2", "--pp", "1", "--cudagraph"], 2, "--cudagraph"),
     (["--pp", "3", "--vp", "2", "--layers", "6", "--accumulate-steps", "4"], 3, "accumulate-steps"),
     (["--layers", "5"], 2, "multiple of --pp x --vp"),
     (["--hidden", "30", "--heads", "4"], 2, "multiple of --heads"),
@@ -59,7 +64,8 @@ def test_bad_arguments_name_the_flag(gpt, argv, world, message):
 def test_help_lists_every_feature_flag():
     out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60).stdout
     for flag in ("--pp", "--vp", "--dp", "--micro-batch-size", "--accumulate-steps", "--seq-len", "--hidden",
-                 "--layers", "--steps", "--fuse-allreduce", "--bucket-mb", "--cudagraph", "--seed"):
+                 "--layers", "--steps", "--fuse-allreduce", "--bucket-mb", "--cudagraph", "--seed", "--mp",
+                 "--sequence-parallel", "--recompute"):
         assert flag in out
 
 
