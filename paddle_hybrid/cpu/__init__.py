@@ -6,13 +6,21 @@ through the shared :class:`paddle_hybrid.patching.Patcher`.  :func:`install` app
 or none (a failure reverts what was applied and raises); :func:`uninstall`
 restores every original.
 
-=====================  =====================================================
-concern                what it fixes (details in the module's docstring)
-=====================  =====================================================
-:mod:`.device`         ``ParallelEnv._device_id`` missing on CPU
-:mod:`.groups`         gloo group start-up race; per-neighbour p2p groups
-:mod:`.p2p`            pipeline p2p on the pair groups; batched p2p on gloo
-=====================  =====================================================
+=========================  ==================================================
+concern                    what it fixes (details in the module's docstring)
+=========================  ==================================================
+:mod:`.device`             ``ParallelEnv._device_id`` missing on CPU
+:mod:`.groups`             gloo group start-up race; per-neighbour p2p groups
+:mod:`.p2p`                pipeline p2p on the pair groups; batched p2p on gloo
+:mod:`.collectives`        reduce_scatter, which gloo lacks
+:mod:`.tensor_parallel`    mp ops without CPU kernels (identity, split, concat,
+                           parallel cross entropy) and the input broadcast
+:mod:`.sharding`           stage 1 V1/V2 buffers and gradients, group-sharded
+                           stage 2/3 device checks and clipping
+:mod:`.recompute`          recompute with RNG state (hybrid, PipelineLayer)
+:mod:`.timers`             ``enable_timer`` without a CUDA synchronize
+:mod:`.virtual_pipeline`   interleaved VP with two pipeline stages
+=========================  ==================================================
 
 When: ``PluginConfig.cpu_hybrid`` ("auto": only when Paddle is not compiled
 with CUDA; "on": always; "off": never).  The patches are written against
@@ -30,7 +38,8 @@ __all__ = ["install", "uninstall", "is_active", "patched", "SUPPORTED_PADDLE", "
 
 SUPPORTED_PADDLE = ("3.3.",)
 
-# Applied in this order (groups before p2p, which sends through them).
+# Applied in this order (groups before p2p, which sends through them; p2p before
+# virtual_pipeline, which is only safe with p2p's ordering).
 CONCERNS = ["device", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute", "timers",
             "virtual_pipeline"]
 

@@ -1,0 +1,165 @@
+"""Tensor parallel on CPU: examples/gpt_pp.py's GPT trained with TP=2 on 2 processes
+against the same model in 1 process, one thread each, side by side in one run.
+
+Per configuration: median step time, tokens/s, and the time per step spent inside the
+tensor-parallel collectives (every ``paddle.distributed`` all_reduce / all_gather /
+broadcast the step makes, timed around the call; with --pp 1 --dp 1 there are no others).
+Rounds alternate 1 process and 2 processes so drift of a shared machine hits both.
+
+    python benchmarks/bench_tensor_parallel.py               # hidden 512, 2 rounds
+    python benchmarks/bench_tensor_parallel.py --hidden 1024 --rounds 1
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+EXAMPLE = os.path.join(ROOT, "examples", "gpt_pp.py")
+TIMED_COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("gpt_pp_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class CollectiveClock:
+    """Wall time spent inside ``paddle.distributed`` collectives while installed (the
+    benchmark's own instrument, removed by :meth:`remove`)."""
+
+    def __init__(self):
+        import paddle.distributed as dist
+
+        self.dist, self.seconds, self.calls, self.saved = dist, 0.0, 0, {}
+        for name in TIMED_COLLECTIVES:
+            orig = getattr(dist, name)
+            self.saved[name] = orig
+            setattr(dist, name, self._timed(orig))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        return timed
+
+    def take(self):
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+    def remove(self):
+        for name, orig in self.saved.items():
+            setattr(self.dist, name, orig)
+
+
+def worker(argv):
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    import paddle_hybrid  # noqa: F401  (before fleet.init)
+    from paddle_hybrid.testing import save_result
+
+    gpt = load_example()
+    args = gpt.validate(gpt.build_parser().parse_args(argv), int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
+    paddle.set_device("cpu")
+    paddle.seed(args.seed)
+    fleet.init(is_collective=True, strategy=gpt.make_strategy(args))
+    hcg = fleet.get_hybrid_communicate_group()
+    data = gpt.CharData(gpt.make_corpus(args.corpus_chars, args.seed), args.seq_len, args.seed)
+    model, loss_fn = gpt.build_model(args, data.vocab_size, hcg.topology(), hcg)
+    sched = paddle.optimizer.lr.LambdaDecay(args.lr, lambda step: 1.0)  # constant: not what is measured
+    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters())
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(opt)
+    clock = CollectiveClock()
+    batch = args.micro_batch_size * args.accumulate_steps
+    steps = []
+    for step in range(args.steps):
+        x, y = data.global_batch(step, batch)
+        clock.take()
+        t0 = time.perf_counter()
+        loss = gpt.train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
+        seconds = time.perf_counter() - t0
+        comm, calls = clock.take()
+        steps.append({"s": seconds, "comm_s": comm, "calls": calls, "loss": float(loss.reshape([-1])[0])})
+    clock.remove()
+    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": batch * args.seq_len})
+
+
+def run(nprocs, shape, steps, timeout):
+    from paddle_hybrid.testing import launch
+
+    argv = shape + ["--pp", "1", "--mp", str(nprocs), "--steps", str(steps)]
+    res = launch(os.path.abspath(__file__), nprocs=nprocs, args=["--worker", *argv], timeout=timeout,
+                 env={"OMP_NUM_THREADS": "1"})
+    warm = 2  # the first steps build kernels and buffers
+    per_rank = [r["steps"][warm:] for r in res]
+    # a step lasts as long as its slowest rank
+    step_s = [max(rank[i]["s"] for rank in per_rank) for i in range(len(per_rank[0]))]
+    comm_s = [max(rank[i]["comm_s"] for rank in per_rank) for i in range(len(per_rank[0]))]
+    return {"step_s": step_s, "comm_s": comm_s, "calls_per_step": per_rank[0][0]["calls"],
+            "tokens_per_step": res[0]["tokens_per_step"], "losses": [s["loss"] for s in res[0]["steps"]]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--accumulate-steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900)
+    args, rest = ap.parse_known_args()
+    if args.worker:
+        return worker(rest)
+    shape = ["--hidden", str(args.hidden), "--heads", str(args.heads), "--layers", str(args.layers),
+             "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
+             "--accumulate-steps", str(args.accumulate_steps), "--corpus-chars", "50000"]
+    runs = {1: [], 2: []}
+    for _ in range(args.rounds):
+        for nprocs in (1, 2):
+            runs[nprocs].append(run(nprocs, shape, args.steps, args.timeout))
+    rows = {}
+    for nprocs, label in ((1, "1 process"), (2, "TP=2, 2 processes")):
+        step = statistics.median(s for r in runs[nprocs] for s in r["step_s"])
+        comm = statistics.median(s for r in runs[nprocs] for s in r["comm_s"])
+        rows[label] = {"nprocs": nprocs, "median_step_s": step, "tokens_per_s": runs[nprocs][0]["tokens_per_step"] / step,
+                       "tp_collective_s_per_step": comm, "collective_calls_per_step": runs[nprocs][0]["calls_per_step"],
+                       "first_losses": runs[nprocs][0]["losses"][:3]}
+    ratio = rows["TP=2, 2 processes"]["tokens_per_s"] / rows["1 process"]["tokens_per_s"]
+    out = {"config": vars(args), "rows": rows, "tp2_over_one_tokens_per_s": ratio, "target": 1.3, "met": ratio >= 1.3}
+    print(f"tensor parallel on CPU: hidden {args.hidden}, {args.layers} blocks, {args.micro_batch_size * args.accumulate_steps}"
+          f" x {args.seq_len} tokens per step, OMP_NUM_THREADS=1, medians over {args.rounds} round(s)")
+    print(f"{'configuration':22s} {'step ms':>9s} {'tokens/s':>10s} {'TP collectives ms/step':>24s} {'calls':>6s}")
+    for label, r in rows.items():
+        print(f"{label:22s} {1000 * r['median_step_s']:9.1f} {r['tokens_per_s']:10.0f} "
+              f"{1000 * r['tp_collective_s_per_step']:24.1f} {r['collective_calls_per_step']:6d}")
+    print(f"TP=2 / 1 process tokens/s: {ratio:.2f}x (target >= 1.3x: {'met' if ratio >= 1.3 else 'NOT met'})")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "tensor_parallel.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main()
