@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel degree (vocab-parallel embedding and loss, column/row parallel blocks)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallelism in the tensor-parallel region (needs --mp > 1)")
+    g.add_argument("--sharding", type=int, default=1,
+                   help="sharding degree: optimizer states (stage 1) and gradients (stage 2) split over this many "
+                        "data-parallel replicas")
+    g.add_argument("--sharding-stage", type=int, default=1, choices=(1, 2),
+                   help="1: fleet's sharding optimizer inside hybrid parallel; 2: group_sharded_parallel 'os_g' "
+                        "(needs --pp 1 --mp 1 --dp 1)")
     g.add_argument("--recompute", action="store_true",
                    help="recompute every block in backward (PipelineLayer(recompute_interval=1))")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per microbatch")
@@ -85,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check the arguments against each other (and the world size); raise
     :class:`ArgError` naming the flag to change."""
-    for name in ("pp", "vp", "dp", "mp", "micro_batch_size", "accumulate_steps", "layers", "hidden", "heads", "seq_len",
+    for name in ("pp", "vp", "dp", "mp", "sharding", "micro_batch_size", "accumulate_steps", "layers", "hidden", "heads", "seq_len",
                  "steps", "log_every"):
         if getattr(args, name) < 1:
             raise ArgError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -122,11 +128,17 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
     if args.mp > 1 and args.cudagraph:
         raise ArgError("--cudagraph with --mp > 1 is not supported (collectives inside a captured stage); "
                        "drop one of them.")
-    procs = args.pp * args.mp * args.dp
+    if args.sharding_stage == 2:
+        if args.sharding == 1:
+            raise ArgError("--sharding-stage 2 needs --sharding > 1 (the ranks the gradients are split over).")
+        if (args.pp, args.mp, args.dp) != (1, 1, 1):
+            raise ArgError("--sharding-stage 2 (group_sharded_parallel) does not combine with fleet's pipeline, tensor "
+                           "or data parallel here: use --pp 1 --mp 1 --dp 1, or --sharding-stage 1.")
+    procs = args.pp * args.mp * args.dp * args.sharding
     if world_size is not None and procs != world_size:
         raise ArgError(
-            f"--pp x --mp x --dp = {procs} but {world_size} processes were launched; launch with "
-            f"--nproc_per_node {procs} or change --pp/--mp/--dp."
+            f"--pp x --mp x --dp x --sharding = {procs} but {world_size} processes were launched; launch with "
+            f"--nproc_per_node {procs} or change --pp/--mp/--dp/--sharding."
         )
     return args
 
@@ -343,8 +355,10 @@ def make_strategy(args):
     from paddle.distributed import fleet
 
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": args.mp, "pp_degree": args.pp,
-                               "sharding_degree": 1,
+    # stage 2 (group_sharded_parallel) runs outside fleet's hybrid model: fleet sees its ranks as dp
+    stage1 = args.sharding_stage == 1
+    strategy.hybrid_configs = {"dp_degree": args.dp if stage1 else args.sharding, "mp_degree": args.mp,
+                               "pp_degree": args.pp, "sharding_degree": args.sharding if stage1 else 1,
                                "pp_configs": {"use_batch_p2p_comm": bool(args.batch_p2p)}}
     strategy.pipeline_configs = {"accumulate_steps": args.accumulate_steps, "micro_batch_size": args.micro_batch_size}
     # fleet seeds the model-parallel RNG at init; from --seed, not a random draw
@@ -389,6 +403,29 @@ def layout_tag(args) -> str:
     for flag, suffix in (("recompute", "_rc"), ("fuse_allreduce", "_fused"), ("cudagraph", "_graph")):
         tag += suffix if getattr(args, flag) else ""
     return tag
+
+
+def data_parallel_layout(args, hcg):
+    """(replica count, this rank's replica index, the groups a replica's loss is averaged
+    over): data parallel and sharding ranks each train on their own slice of the batch."""
+    replicas = args.dp * args.sharding
+    replica = hcg.get_data_parallel_rank() * args.sharding + hcg.get_sharding_parallel_rank()
+    groups = [g for g, n in ((hcg.get_sharding_parallel_group(), args.sharding),
+                             (hcg.get_data_parallel_group(), args.dp)) if n > 1]
+    if args.sharding_stage == 2:  # fleet does not know these ranks as sharding: they are its "dp"
+        replica = hcg.get_data_parallel_rank()
+        groups = [hcg.get_data_parallel_group()]
+    return replicas, replica, groups
+
+
+def global_mean(loss, groups, replicas) -> float:
+    """The step's loss over the whole global batch (every replica's mean, averaged)."""
+    import paddle.distributed as dist
+
+    loss = loss.reshape([-1])[:1].clone()
+    for group in groups:
+        dist.all_reduce(loss, group=group)
+    return float(loss.numpy()[0]) / replicas
 
 
 def train_step(model, loss_fn, opt, sched, x, y, args):
@@ -436,7 +473,7 @@ def main(argv=None) -> dict:
     fleet.init(is_collective=True, strategy=make_strategy(args))
     hcg = fleet.get_hybrid_communicate_group()
     rank = dist.get_rank()
-    dp_rank = hcg.get_data_parallel_rank()
+    replicas, replica, data_groups = data_parallel_layout(args, hcg)
 
     if args.corpus_file:
         with open(args.corpus_file, encoding="utf-8") as f:
@@ -451,15 +488,22 @@ def main(argv=None) -> dict:
         warmup_steps=args.warmup_steps, start_lr=args.lr / 10, end_lr=args.lr)
     opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.0,
                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-    model = fleet.distributed_model(model)
-    opt = fleet.distributed_optimizer(opt)
+    if args.sharding_stage == 2:
+        from paddle.distributed.sharding import group_sharded_parallel
+
+        model, opt, _ = group_sharded_parallel(model, opt, level="os_g", group=data_groups[0])
+    else:
+        model = fleet.distributed_model(model)
+        opt = fleet.distributed_optimizer(opt)
 
     per_dp = args.micro_batch_size * args.accumulate_steps
-    tokens_per_step = per_dp * args.dp * args.seq_len
+    tokens_per_step = per_dp * replicas * args.seq_len
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
     if rank == 0:
         print(f"gpt_pp: pp={args.pp} vp={args.vp} mp={args.mp}{' +sp' if args.sequence_parallel else ''} "
-              f"dp={args.dp}{' recompute' if args.recompute else ''} | {args.layers} blocks, hidden {args.hidden}, "
+              f"dp={args.dp} sharding={args.sharding}"
+              f"{f' (stage {args.sharding_stage})' if args.sharding > 1 else ''}"
+              f"{' recompute' if args.recompute else ''} | {args.layers} blocks, hidden {args.hidden}, "
               f"vocab {data.vocab_size}, {n_params} params on stage 0 | {args.accumulate_steps} microbatches x "
               f"{args.micro_batch_size} x {args.seq_len} tokens per DP rank | fuse_allreduce={args.fuse_allreduce} "
               f"cudagraph={args.cudagraph}", flush=True)
@@ -467,12 +511,12 @@ def main(argv=None) -> dict:
     losses, step_times = [], []
     start = time.time()
     for step in range(args.steps):
-        x, y = data.global_batch(step, per_dp * args.dp)
-        x, y = x[dp_rank * per_dp : (dp_rank + 1) * per_dp], y[dp_rank * per_dp : (dp_rank + 1) * per_dp]
+        x, y = data.global_batch(step, per_dp * replicas)
+        x, y = x[replica * per_dp : (replica + 1) * per_dp], y[replica * per_dp : (replica + 1) * per_dp]
         t0 = time.time()
         loss = train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
         step_times.append(time.time() - t0)
-        losses.append(float(loss.reshape([-1])[0]))
+        losses.append(global_mean(loss, data_groups, replicas))
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             elapsed = time.time() - start
             remaining = elapsed / (step + 1) * (args.steps - step - 1)

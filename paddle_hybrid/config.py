@@ -68,7 +68,8 @@ class PluginConfig:
 
     fleet_fixes: bool = True
     """Fix fleet defects that give wrong numbers on any device (:mod:`paddle_hybrid.fleet_fixes`:
-    global-norm clipping with weights shared between pipeline stages) (``PADDLE_HYBRID_FLEET_FIXES``)."""
+    global-norm clipping with weights shared between pipeline stages; no data-parallel gradient
+    sync for a one-stage ``PipelineLayer``) (``PADDLE_HYBRID_FLEET_FIXES``)."""
 
     grad_buckets: bool = True
     """Let the fleet strategy's ``fuse_all_reduce_ops`` turn on the plugin's fused gradient

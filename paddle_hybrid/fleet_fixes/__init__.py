@@ -5,6 +5,8 @@ fix                           what it fixes (details in the module docstring)
 ============================  ===============================================
 :mod:`.shared_weight_norm`    global-norm clipping counts a weight shared
                               between pipeline stages once per stage
+:mod:`.no_pipeline_dp`        a one-stage ``PipelineLayer`` under pure data
+                              parallelism never averages its gradients
 ============================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -20,7 +22,7 @@ from ..patching import Patcher, PatchSignatureError
 __all__ = ["install", "uninstall", "is_active", "FIXES", "SUPPORTED_PADDLE", "PatchSignatureError"]
 
 SUPPORTED_PADDLE = ("3.3.",)
-FIXES = ["shared_weight_norm"]
+FIXES = ["shared_weight_norm", "no_pipeline_dp"]
 
 _patcher = Patcher("paddle_hybrid.fleet_fixes", "PADDLE_HYBRID_FLEET_FIXES=0 (PluginConfig(fleet_fixes=False))")
 
