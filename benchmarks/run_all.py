@@ -79,6 +79,20 @@ def rows_grad_buckets(d):
     ]
 
 
+def rows_tensor_parallel(d):
+    r, c = d["rows"], d["config"]
+    one, tp = r["1 process"], r["TP=2, 2 processes"]
+    ratio = d["tp2_over_one_tokens_per_s"]
+    return [
+        _row("tensor parallel (CPU)", f"tokens/s, gpt_pp hidden {c['hidden']}, {c['layers']} blocks, 1 thread/process",
+             "1 process", one["tokens_per_s"], "TP=2 on 2 processes", tp["tokens_per_s"], "tok/s", ratio,
+             ">= 1.3x", ratio >= 1.3),
+        _row("tensor parallel (CPU)", "time in TP collectives per step", "step", 1000 * tp["median_step_s"],
+             "collectives", 1000 * tp["tp_collective_s_per_step"], "ms",
+             tp["tp_collective_s_per_step"] / tp["median_step_s"], "share of the step", None),
+    ]
+
+
 BENCHES = {
     "reshard": ("bench_reshard.py", [], ["--layers", "24"], "reshard.json", rows_reshard),
     "pipeline_rewrite": ("bench_pipeline_rewrite.py", [], ["--branches", "128"], "pipeline_rewrite.json",
@@ -86,6 +100,8 @@ BENCHES = {
     "static_allreduce": ("bench_static_allreduce.py", [], ["--rounds", "2"], "static_allreduce.json",
                          rows_static_allreduce),
     "grad_buckets": ("bench_grad_buckets.py", [], ["--iters", "15"], "grad_buckets.json", rows_grad_buckets),
+    "tensor_parallel": ("bench_tensor_parallel.py", [], ["--rounds", "1", "--steps", "5"], "tensor_parallel.json",
+                        rows_tensor_parallel),
 }
 
 # The example, each feature on and off: (name, nprocs, extra args, env)

@@ -2,10 +2,11 @@
 before it is made, and undone newest-first as a unit (:class:`Patcher`)."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import threading
 
-__all__ = ["Patcher", "PatchSignatureError"]
+__all__ = ["Patcher", "PatchSignatureError", "version_supported", "describe_versions"]
 
 _MISSING = object()
 
@@ -75,3 +76,22 @@ class Patcher:
                         delattr(owner, name)
                 else:
                     setattr(owner, name, original)
+
+    def apply_modules(self, package: str, names) -> None:
+        """``<package>.<name>.apply(self)`` for every name, in order; all or none: on any
+        error every change made so far is reverted and the error propagates."""
+        try:
+            for name in names:
+                importlib.import_module(f"{package}.{name}").apply(self)
+        except BaseException:
+            self.revert()
+            raise
+
+
+def version_supported(version: str, prefixes) -> bool:
+    return version.startswith(tuple(prefixes))
+
+
+def describe_versions(prefixes) -> str:
+    """``("3.3.",)`` -> ``"3.3.x"``."""
+    return "/".join(p + "x" for p in prefixes)

@@ -28,10 +28,9 @@ Paddle 3.3.x; on another version "on" raises and "auto" warns and does nothing.
 """
 from __future__ import annotations
 
-import importlib
 import warnings
 
-from ..patching import Patcher, PatchSignatureError
+from ..patching import Patcher, PatchSignatureError, describe_versions, version_supported
 
 __all__ = ["install", "uninstall", "is_active", "patched", "SUPPORTED_PADDLE", "CONCERNS",
            "PatchSignatureError"]
@@ -63,20 +62,15 @@ def install(config) -> None:
     import paddle
 
     version = paddle.__version__
-    if not version.startswith(SUPPORTED_PADDLE):
+    if not version_supported(version, SUPPORTED_PADDLE):
         msg = (f"paddle_hybrid.cpu: the CPU/gloo hybrid-parallel patches are written for Paddle "
-               f"{'/'.join(v + 'x' for v in SUPPORTED_PADDLE)}, found {version}.")
+               f"{describe_versions(SUPPORTED_PADDLE)}, found {version}.")
         if mode == "on":
             raise RuntimeError(msg + " Set PluginConfig(cpu_hybrid='off') (PADDLE_HYBRID_CPU_HYBRID=off) "
                                      "or use a supported Paddle.")
         warnings.warn(msg + " Not installing them (cpu_hybrid='auto').", RuntimeWarning, stacklevel=2)
         return
-    try:
-        for name in CONCERNS:
-            importlib.import_module(f"{__name__}.{name}").apply(_patcher)
-    except BaseException:
-        _patcher.revert()
-        raise
+    _patcher.apply_modules(__name__, CONCERNS)
 
 
 def uninstall() -> None:

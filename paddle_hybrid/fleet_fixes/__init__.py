@@ -14,10 +14,9 @@ against Paddle 3.3.x; on another version they are skipped with a warning.
 """
 from __future__ import annotations
 
-import importlib
 import warnings
 
-from ..patching import Patcher, PatchSignatureError
+from ..patching import Patcher, PatchSignatureError, describe_versions, version_supported
 
 __all__ = ["install", "uninstall", "is_active", "FIXES", "SUPPORTED_PADDLE", "PatchSignatureError"]
 
@@ -32,17 +31,12 @@ def install(config) -> None:
         return
     import paddle
 
-    if not paddle.__version__.startswith(SUPPORTED_PADDLE):
-        warnings.warn(f"paddle_hybrid.fleet_fixes: written for Paddle {'/'.join(v + 'x' for v in SUPPORTED_PADDLE)}, "
+    if not version_supported(paddle.__version__, SUPPORTED_PADDLE):
+        warnings.warn(f"paddle_hybrid.fleet_fixes: written for Paddle {describe_versions(SUPPORTED_PADDLE)}, "
                       f"found {paddle.__version__}; not installed (PADDLE_HYBRID_FLEET_FIXES=0 silences this).",
                       RuntimeWarning, stacklevel=2)
         return
-    try:
-        for name in FIXES:
-            importlib.import_module(f"{__name__}.{name}").apply(_patcher)
-    except BaseException:
-        _patcher.revert()
-        raise
+    _patcher.apply_modules(__name__, FIXES)
 
 
 def uninstall() -> None:

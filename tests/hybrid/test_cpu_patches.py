@@ -4,7 +4,6 @@ import warnings
 import pytest
 
 import paddle
-import paddle_hybrid
 from paddle_hybrid import PluginConfig
 from paddle_hybrid import cpu
 from paddle_hybrid.cpu import groups
@@ -30,17 +29,6 @@ def _targets():
         "send_meta": p2p.SendRecvMeta.send_meta,
         "recv_meta": p2p.SendRecvMeta.recv_meta,
     }
-
-
-@pytest.fixture
-def fresh_plugin():
-    """The cpu component alone uninstalled; reinstalled as it was afterwards."""
-    was_active = cpu.is_active()
-    cpu.uninstall()
-    yield
-    cpu.uninstall()
-    if was_active:
-        cpu.install(paddle_hybrid.current_config())
 
 
 def test_install_patches_and_uninstall_restores(fresh_plugin):

@@ -29,7 +29,6 @@ import pytest
 
 import paddle
 import paddle.nn.functional as F
-import paddle_hybrid
 from paddle_hybrid import PluginConfig, cpu
 from paddle_hybrid.testing import launch
 
@@ -58,17 +57,6 @@ def tracker():
     yield tr
     del tr.initial_states
     tr.states_, tr.seeds_ = saved
-
-
-@pytest.fixture
-def fresh_plugin():
-    """The cpu component alone uninstalled; reinstalled as it was afterwards."""
-    was_active = cpu.is_active()
-    cpu.uninstall()
-    yield
-    cpu.uninstall()
-    if was_active:
-        cpu.install(paddle_hybrid.current_config())
 
 
 def _block():

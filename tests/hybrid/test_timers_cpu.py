@@ -18,24 +18,12 @@ import time
 import pytest
 
 import paddle
-import paddle_hybrid
 from paddle_hybrid import PluginConfig, cpu
 from paddle_hybrid.testing import launch
 
 from paddle.distributed.fleet.utils import timer_helper
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture
-def fresh_plugin():
-    """The cpu component alone uninstalled; reinstalled as it was afterwards."""
-    was_active = cpu.is_active()
-    cpu.uninstall()
-    yield
-    cpu.uninstall()
-    if was_active:
-        cpu.install(paddle_hybrid.current_config())
 
 
 def test_timer_measures_wall_time():

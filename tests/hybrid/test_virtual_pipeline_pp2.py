@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import paddle
-import paddle_hybrid
 import paddle_hybrid.testing.models as models
 from paddle_hybrid import PluginConfig, cpu
 from paddle_hybrid.testing import launch
@@ -73,17 +72,6 @@ def _classes():
     from paddle.distributed.fleet.meta_parallel import pipeline_parallel as pp
 
     return pp.PipelineParallelWithInterleave, pp.PipelineParallelWithInterleaveFthenB
-
-
-@pytest.fixture
-def fresh_plugin():
-    """The cpu component uninstalled; reinstalled as it was afterwards."""
-    was_active = cpu.is_active()
-    cpu.uninstall()
-    yield
-    cpu.uninstall()
-    if was_active:
-        cpu.install(paddle_hybrid.current_config())
 
 
 def _fake(num_stages, acc):

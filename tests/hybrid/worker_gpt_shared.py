@@ -6,7 +6,6 @@ Reports every parameter, and which ones the plugin's gradient buckets hold.
 import importlib.util
 import os
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
@@ -32,7 +31,7 @@ def main():
     fleet.init(is_collective=True, strategy=gpt.make_strategy(args))
     hcg = fleet.get_hybrid_communicate_group()
     data = gpt.CharData(gpt.make_corpus(5000, 1), 16, 1)
-    model = gpt.build_model(args, data.vocab_size, hcg.topology())
+    model, _ = gpt.build_model(args, data.vocab_size, hcg.topology(), hcg)
     opt = paddle.optimizer.SGD(learning_rate=0.5, parameters=model.parameters())
     model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
