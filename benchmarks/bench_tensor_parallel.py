@@ -99,7 +99,8 @@ def worker(argv):
         comm, calls = clock.take()
         steps.append({"s": seconds, "comm_s": comm, "calls": calls, "loss": float(loss.reshape([-1])[0])})
     clock.remove()
-    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": batch * args.seq_len})
+    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": batch * args.seq_len,
+                 "ran": {k: getattr(args, k) for k in ("hidden", "heads", "layers", "seq_len", "mp", "steps")}})
 
 
 def run(nprocs, shape, steps, timeout):
@@ -108,6 +109,9 @@ def run(nprocs, shape, steps, timeout):
     argv = shape + ["--pp", "1", "--mp", str(nprocs), "--steps", str(steps)]
     res = launch(os.path.abspath(__file__), nprocs=nprocs, args=["--worker", *argv], timeout=timeout,
                  env={"OMP_NUM_THREADS": "1"})
+    ran = res[0]["ran"]
+    if ran["mp"] != nprocs or ran["steps"] != steps or str(ran["hidden"]) != shape[shape.index("--hidden") + 1]:
+        raise RuntimeError(f"bench_tensor_parallel: the ranks ran {ran}, not the configuration asked for.")
     warm = 2  # the first steps build kernels and buffers
     per_rank = [r["steps"][warm:] for r in res]
     # a step lasts as long as its slowest rank
@@ -118,8 +122,9 @@ def run(nprocs, shape, steps, timeout):
 
 
 def main():
+    if sys.argv[1:2] == ["--worker"]:  # a launched rank: the rest are the example's flags
+        return worker(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2)
@@ -129,9 +134,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)
-    args, rest = ap.parse_known_args()
-    if args.worker:
-        return worker(rest)
+    args = ap.parse_args()
     shape = ["--hidden", str(args.hidden), "--heads", str(args.heads), "--layers", str(args.layers),
              "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.micro_batch_size),
              "--accumulate-steps", str(args.accumulate_steps), "--corpus-chars", "50000"]

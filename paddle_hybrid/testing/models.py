@@ -183,6 +183,9 @@ def _run_variant(args, v, hcg, strategy):
 
     rank = dist.get_rank()
     dp_rank = hcg.get_data_parallel_rank()
+    # data-parallel and segment-parallel ranks each take their own rows of the batch
+    replicas = args.dp * args.sep
+    replica = dp_rank * args.sep + hcg.get_sep_parallel_rank()
     stage = hcg.get_stage_id()
     specs = block_specs(args.layers, args.in_dim, args.hidden, args.out_dim)
     if v["skew"] and rank == 1:
@@ -213,7 +216,7 @@ def _run_variant(args, v, hcg, strategy):
         buckets = attach_buckets(model, strategy, hcg, max_params=v["max_params"])
 
     mse = paddle.nn.MSELoss()
-    shard_rows = args.batch // args.dp
+    shard_rows = args.batch // replicas
     losses = []
     for step in range(args.steps):
         if step == v["die_step"] and rank == v["die_rank"]:
@@ -221,7 +224,7 @@ def _run_variant(args, v, hcg, strategy):
             first = next(iter(params.values()))
             first._register_backward_hook(lambda *a: os._exit(0))
         x, y = make_data(step, args.batch, args.in_dim, args.out_dim, args.seed)
-        sl = slice(dp_rank * shard_rows, (dp_rank + 1) * shard_rows)
+        sl = slice(replica * shard_rows, (replica + 1) * shard_rows)
         xs, ys = paddle.to_tensor(x[sl]), paddle.to_tensor(y[sl])
         if args.pp > 1:
             loss = model.train_batch([xs, ys], opt)
@@ -236,7 +239,9 @@ def _run_variant(args, v, hcg, strategy):
             ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
             with ctx:
                 mloss = mse(model(xs[ms]), ys[ms])
-                (mloss / n_micro).backward()
+                # fleet sums segment-parallel gradients: a segment's loss is its share
+                # of the sample's loss, so each segment rank weighs its mean by 1/sep
+                (mloss / n_micro / args.sep).backward()
             total += float(mloss)
         losses.append(total / n_micro)
         if v["sync"] == "per_param":
@@ -252,7 +257,7 @@ def _run_variant(args, v, hcg, strategy):
         opt.clear_grad(set_to_zero=(v["clear"] == "zero"))
 
     ref_losses, ref_params = reference_run(specs, args.seed, args.steps, args.batch, args.micro, args.lr,
-                                           args.in_dim, args.out_dim, args.dp, dp_rank)
+                                           args.in_dim, args.out_dim, replicas, replica)
     got = {k: p.numpy() for k, p in params.items()}
     return {
         "losses": losses,
@@ -262,6 +267,7 @@ def _run_variant(args, v, hcg, strategy):
         "bucket_stats": buckets.stats() if buckets is not None else None,
         "model_class": type(model).__name__,
         "stage": stage,
+        "replica": replica,
     }
 
 
@@ -269,6 +275,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Train the test pipeline model with fleet on gloo ranks.")
     parser.add_argument("--pp", type=int, default=1, help="pipeline degree")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    parser.add_argument("--sep", type=int, default=1, help="segment-parallel degree (each rank its own rows)")
     parser.add_argument("--acc", type=int, default=4, help="microbatches per step per DP rank")
     parser.add_argument("--micro", type=int, default=2, help="microbatch size")
     parser.add_argument("--steps", type=int, default=3)
@@ -280,7 +287,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--variants", default="", help="variant specs separated by ';' (see module doc)")
     args = parser.parse_args(argv)
-    args.batch = args.micro * args.acc * args.dp
+    args.batch = args.micro * args.acc * args.dp * args.sep
 
     import paddle
     import paddle.distributed as dist
@@ -290,7 +297,7 @@ def main(argv=None):
 
     paddle.set_device("cpu")
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": 1, "pp_degree": args.pp}
+    strategy.hybrid_configs = {"dp_degree": args.dp, "mp_degree": 1, "pp_degree": args.pp, "sep_degree": args.sep}
     strategy.pipeline_configs = {"accumulate_steps": args.acc, "micro_batch_size": args.micro}
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()

@@ -115,6 +115,19 @@ def test_dp2_buckets_match_fused_allreduce_and_per_param():
         assert r["variants"]["fuse=1,max_params=3"]["bucket_stats"]["num_buckets"] == 8  # 24 params / 3
 
 
+def test_sep2_segment_parallel():
+    """sep_degree=2 (SegmentParallel): each segment rank trains on its own rows (standing in
+    for its segment of the sequence) and weighs its loss by 1/sep, since fleet *sums*
+    segment-parallel gradients (``fused_allreduce_gradients``: "sep all reduce is not
+    scaled"); vs one process (1e-5), with Paddle's sync and with the plugin's buckets
+    (which leave sep to Paddle)."""
+    steps = 3
+    res = _run(2, "--sep", 2, "--acc", 2, "--steps", steps, "--variants", "fuse=0;fuse=1")
+    assert sorted(r["variants"]["fuse=0"]["replica"] for r in res) == [0, 1]
+    assert all(v["model_class"] == "SegmentParallel" for r in res for v in r["variants"].values())
+    _check_against_reference(res, steps)
+
+
 def test_bucket_layout_mismatch_raises_naming_the_parameter():
     with pytest.raises(LaunchError) as info:
         _run(2, "--dp", 2, "--steps", 1, "--variants", "skew=1")
