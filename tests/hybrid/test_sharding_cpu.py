@@ -63,7 +63,8 @@ def _same_params_in_group(results, key):
 
 
 def test_stage1_v1_v2_fusion_overlap_clip_on_two_ranks():
-    variants = ["v1", "v1_fusion", "v1_overlap", "v2", "v2_overlap", "v1+clip", "v2+clip", "v2+layer_clear"]
+    variants = ["v1", "v1_fusion", "v1_overlap", "v2", "v2_overlap", "v1+clip", "v2+clip", "v2+layer_clear",
+                "v1+reload", "v2+reload"]
     res = _run(2, variants, "--sharding", 2)
     assert sorted(r["shard"] for r in res) == [0, 1]
     _check_against_reference(res, variants)
@@ -79,6 +80,8 @@ def test_stage1_v1_v2_fusion_overlap_clip_on_two_ranks():
         # of steps 2..5 came back as a new tensor and was put back before the reduce-scatter
         n_params = len(r["variants"]["v2"]["params"])
         assert r["variants"]["v2+layer_clear"]["relinked"] == 4 * n_params
+        for spec in ("v1+reload", "v2+reload"):  # state_dict save and load of stage 1
+            _check_reload(r["variants"][spec], f"rank {r['rank']} {spec}")
 
 
 def test_group_sharded_levels_with_clip_and_reload():
@@ -96,14 +99,20 @@ def test_group_sharded_levels_with_clip_and_reload():
             assert v["model_class"] == ("GroupShardedStage3" if level == "p_g_os" else "GroupShardedStage2"), msg
             if level == "p_g_os":  # the weights were sliced (segment_size=16), the biases not
                 assert v["unsliced"] == sorted(f"linear_{i}.b_0" for i in range(4)), msg
-            rl = v["reload"]
-            for k, val in v["params"].items():
-                np.testing.assert_array_equal(rl["loaded_params"][k], val, err_msg=f"{msg} loaded {k}")
-            assert rl["losses"] == rl["cont_losses"], msg
-            for k, val in rl["cont_params"].items():
-                np.testing.assert_array_equal(rl["params"][k], val, err_msg=f"{msg} reloaded run {k}")
-                np.testing.assert_allclose(val, rl["ref_params"][k], rtol=0, atol=ATOL, err_msg=f"{msg} vs ref {k}")
-            np.testing.assert_allclose(rl["cont_losses"], rl["ref_losses"], rtol=RTOL, atol=ATOL, err_msg=msg)
+            _check_reload(v, msg)
+
+
+def _check_reload(v, msg):
+    """A run restarted from the saved files starts from the saved values and trains exactly as
+    the original went on; both follow the single-process reference."""
+    rl = v["reload"]
+    for k, val in v["params"].items():
+        np.testing.assert_array_equal(rl["loaded_params"][k], val, err_msg=f"{msg} loaded {k}")
+    assert rl["losses"] == rl["cont_losses"], msg
+    for k, val in rl["cont_params"].items():
+        np.testing.assert_array_equal(rl["params"][k], val, err_msg=f"{msg} reloaded run {k}")
+        np.testing.assert_allclose(val, rl["ref_params"][k], rtol=0, atol=ATOL, err_msg=f"{msg} vs ref {k}")
+    np.testing.assert_allclose(rl["cont_losses"], rl["ref_losses"], rtol=RTOL, atol=ATOL, err_msg=msg)
 
 
 def test_sharding2_x_dp2():

@@ -25,7 +25,9 @@ another in this process, each with a fresh model and optimizer in a fresh name s
 Options: ``clip`` (``ClipGradByGlobalNorm(0.05)`` with SGD instead of Adam: Adam is nearly
 invariant to a common gradient scale, so a wrong global norm would go unseen);
 ``layer_clear`` (gradients cleared with ``Layer.clear_gradients()`` instead of the optimizer's
-``clear_grad()``).
+``clear_grad()``); ``reload`` (stage 1: after training each rank saves its model and optimizer
+``state_dict``, trains ``--extra`` more steps, and a fresh model and optimizer loaded from the files
+train the same steps).
 
 Every rank saves ``{"rank", "shard", "stage", "variants": {spec: result}}``; a result has
 ``losses`` and ``params`` (``"<block>.w"/"<block>.b"`` -> array, this rank's blocks), the
@@ -124,25 +126,60 @@ def _train(args, model, opt, steps, shard, first_step=0, layer_clear=False):
     return losses
 
 
-def _fleet_variant(args, name, option, strategy, hcg, shard):
+def _fleet_model(args, name, option, strategy, hcg, state=None):
+    """A fresh fleet-wrapped model and optimizer for variant ``name``; ``state``:
+    (model state_dict, optimizer state_dict) to start from, as a restarted job would."""
     from paddle.distributed import fleet
-
-    from paddle_hybrid.testing import models
 
     cfg = strategy.strategy.hybrid_configs.sharding_configs
     cfg.tensor_fusion = name == "v1_fusion"
     cfg.split_param = name.startswith("v2")
     cfg.comm_overlap = name.endswith("_overlap")
     model = _model(args, hcg.topology())
-    params = models.block_params(model)
+    if state is not None:
+        model.set_state_dict(state[0])
     opt = _optimizer(model.parameters(), option == "clip")
-    model = fleet.distributed_model(model)
+    wrapped = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
-    losses = _train(args, model, opt, args.steps, shard, layer_clear=option == "layer_clear")
+    if state is not None:
+        opt.set_state_dict(state[1])  # each rank its own shard of the optimizer states
+    return model, wrapped, opt
+
+
+def _fleet_variant(args, name, option, strategy, hcg, shard, save_root):
+    import paddle
+    import paddle.distributed as dist
+    from paddle.utils import unique_name
+
+    from paddle_hybrid.testing import models
+
+    model, wrapped, opt = _fleet_model(args, name, option, strategy, hcg)
+    params = models.block_params(model)
+    losses = _train(args, wrapped, opt, args.steps, shard, layer_clear=option == "layer_clear")
     inner = opt._inner_opt
-    return {"losses": losses, "params": {k: p.numpy() for k, p in params.items()},
-            "opt_class": type(inner).__name__, "model_class": type(model).__name__,
-            "relinked": getattr(inner, "_ph_grads_relinked", None)}
+    out = {"losses": losses, "params": {k: p.numpy() for k, p in params.items()},
+           "opt_class": type(inner).__name__, "model_class": type(wrapped).__name__,
+           "relinked": getattr(inner, "_ph_grads_relinked", None)}
+    if option != "reload":
+        return out
+    # Save (each rank its model and its optimizer shard), go on training, then restart
+    # from the files in a fresh name scope and train the same steps.
+    path = os.path.join(save_root, f"{name}_rank{dist.get_rank()}")
+    paddle.save(model.state_dict(), path + ".pdparams")
+    paddle.save(opt.state_dict(), path + ".pdopt")
+    cont_losses = _train(args, wrapped, opt, args.extra, shard, first_step=args.steps)
+    cont_params = {k: p.numpy() for k, p in params.items()}
+    with unique_name.guard():
+        state = (paddle.load(path + ".pdparams"), paddle.load(path + ".pdopt"))
+        fresh, fresh_wrapped, fresh_opt = _fleet_model(args, name, option, strategy, hcg, state)
+        fresh_params = models.block_params(fresh)
+        loaded_params = {k: p.numpy() for k, p in fresh_params.items()}
+        re_losses = _train(args, fresh_wrapped, fresh_opt, args.extra, shard, first_step=args.steps)
+    ref_losses, ref_params, _ = reference(args, args.steps + args.extra, shard, False)
+    out["reload"] = {"loaded_params": loaded_params, "cont_losses": cont_losses, "cont_params": cont_params,
+                     "losses": re_losses, "params": {k: p.numpy() for k, p in fresh_params.items()},
+                     "ref_losses": ref_losses[args.steps:], "ref_params": ref_params}
+    return out
 
 
 def _group_sharded(model, opt, level):
@@ -246,7 +283,7 @@ def main(argv=None):
             if name in GROUP_SHARDED:
                 res = _group_sharded_variant(args, name, option, shard, save_root)
             else:
-                res = _fleet_variant(args, name, option, strategy, hcg, shard)
+                res = _fleet_variant(args, name, option, strategy, hcg, shard, save_root)
         clip = option == "clip"
         if clip not in refs:
             refs[clip] = reference(args, args.steps, shard, clip)
