@@ -105,3 +105,19 @@ def test_ring_pairs():
     assert groups.pair_list(Topo([[0, 1]])) == [(0, 1)]
     assert groups.pair_list(Topo([[0, 1, 2]])) == [(0, 1), (1, 2), (0, 2)]
     assert groups.pair_list(Topo([[0, 2], [1, 3]])) == [(0, 2), (1, 3)]
+
+
+def test_every_patched_attribute_is_restored(fresh_plugin):
+    """Whatever the concerns replace (cpu.patched()), uninstall puts the original back."""
+    def value(owner, name):
+        return vars(owner).get(name, "<missing>") if isinstance(owner, type) else getattr(owner, name, "<missing>")
+
+    cpu.install(PluginConfig(cpu_hybrid="on"))
+    targets = cpu.patched()
+    assert len(targets) >= 25, targets  # device, groups, p2p, collectives, tp, sharding, recompute, timers, vp
+    cpu.uninstall()
+    stock = [value(owner, name) for owner, name in targets]
+    cpu.install(PluginConfig(cpu_hybrid="on"))
+    assert all(value(o, n) is not s for (o, n), s in zip(targets, stock))
+    cpu.uninstall()
+    assert all(value(o, n) is s for (o, n), s in zip(targets, stock))
