@@ -245,12 +245,16 @@ def build_model(args, vocab_size: int, topology, hcg):
             return F.dropout(x, args.dropout, training=True)
 
     def replicated_dropout(x):
-        return mp_dropout(x) if sp else F.dropout(x, args.dropout, training=True) if args.dropout else x
+        """Dropout on the residual stream: the same on every mp rank (the global RNG), except
+        with sequence parallelism, where each rank holds other tokens."""
+        if sp:
+            return mp_dropout(x)
+        return F.dropout(x, args.dropout, training=True) if args.dropout else x
 
     column = spu.ColumnSequenceParallelLinear if sp else mpu.ColumnParallelLinear
     row = spu.RowSequenceParallelLinear if sp else mpu.RowParallelLinear
 
-    def layer_norm(key):
+    def layer_norm():
         ln = nn.LayerNorm(h)
         if sp:  # every rank normalises its own tokens; the gradients are summed over mp
             spu.mark_as_sequence_parallel_parameter(ln.weight)
@@ -279,7 +283,7 @@ def build_model(args, vocab_size: int, topology, hcg):
         def __init__(self, index):
             super().__init__()
             key = lambda name: (index, sum(map(ord, name)))  # noqa: E731
-            self.ln1, self.ln2 = layer_norm("ln1"), layer_norm("ln2")
+            self.ln1, self.ln2 = layer_norm(), layer_norm()
             self.qkv = column(h, 3 * h, gather_output=False, has_bias=True)
             self.proj = row(h, h, input_is_parallel=True, has_bias=True)
             self.fc1 = column(h, 4 * h, gather_output=False, has_bias=True)
@@ -312,7 +316,7 @@ def build_model(args, vocab_size: int, topology, hcg):
     class FinalNormPipe(nn.Layer):
         def __init__(self):
             super().__init__()
-            self.norm = layer_norm("final")
+            self.norm = layer_norm()
 
         def forward(self, x):
             x = self.norm(x)
