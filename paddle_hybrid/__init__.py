@@ -4,7 +4,7 @@
 installs its components once (see :mod:`paddle_hybrid._install`);
 :func:`uninstall` undoes them.
 """
-from . import analysis, ops
+from . import analysis, ops, timeline
 from ._install import current_config, install, installed_components, uninstall
 from .config import PluginConfig
 from .dygraph import BucketLayoutError, GradBuckets, GradSyncError
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ops",
     "analysis",
+    "timeline",
     "PluginConfig",
     "install",
     "uninstall",

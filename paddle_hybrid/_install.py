@@ -22,6 +22,7 @@ COMPONENTS: list[str] = [
     "paddle_hybrid.fleet_fixes",
     "paddle_hybrid.dygraph",
     "paddle_hybrid.cuda_graph.pipeline",
+    "paddle_hybrid.timeline",
 ]
 
 _lock = threading.RLock()

@@ -102,6 +102,10 @@ class PluginConfig:
     once, when the GPU allocator is built, so import the plugin before creating GPU tensors
     (``PADDLE_HYBRID_CUDA_MALLOC_ASYNC``)."""
 
+    timeline: bool = False
+    """Record a per-rank timeline of every pipeline ``train_batch`` (:mod:`paddle_hybrid.timeline`;
+    :func:`paddle_hybrid.timeline.finish` writes it) (``PADDLE_HYBRID_TIMELINE``)."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -137,4 +141,5 @@ class PluginConfig:
             pipeline_cudagraph=_env_bool("PADDLE_HYBRID_PIPELINE_CUDAGRAPH", True),
             cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
             cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),
+            timeline=_env_bool("PADDLE_HYBRID_TIMELINE", False),
         )

@@ -3,7 +3,7 @@
 #  * a virtual environment in $PADDLE_HYBRID_VENV (default: .venv), made with
 #    --system-site-packages so a Paddle the user already has (CPU or GPU) is kept;
 #  * paddlepaddle==3.3.1 only when no Paddle is importable;
-#  * numpy, pytest, parameterized (+ wheel/setuptools/ninja for the build);
+#  * numpy, pytest, parameterized, matplotlib (+ wheel/setuptools/ninja for the build);
 #  * the custom ops built in place (pip install --no-build-isolation -e .),
 #    rebuilt only when a source is newer than the library.
 set -euo pipefail
@@ -29,7 +29,8 @@ fi
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 mods = {"numpy": "numpy", "pytest": "pytest", "parameterized": "parameterized",
-        "wheel": "wheel", "ninja": "ninja", "setuptools": "setuptools"}
+        "wheel": "wheel", "ninja": "ninja", "setuptools": "setuptools",
+        "matplotlib": "matplotlib"}  # the loss curve and timeline pictures
 print(" ".join(pkg for mod, pkg in mods.items() if importlib.util.find_spec(mod) is None))
 PYEOF
 )
