@@ -96,6 +96,13 @@ def rows_tensor_parallel(d):
     ]
 
 
+def rows_timeline(d):
+    r = d["rows"]
+    base, rec = r["PP=2, no recording"]["median_step_s"], r["PP=2, --timeline"]["median_step_s"]
+    return [_row("timeline recording", "step time, gpt_pp.py PP=2 defaults", "no recording", 1000 * base,
+                 "--timeline", 1000 * rec, "ms", base / rec, "overhead <= 3%", d["met"])]
+
+
 BENCHES = {
     "reshard": ("bench_reshard.py", [], ["--layers", "24"], "reshard.json", rows_reshard),
     "pipeline_rewrite": ("bench_pipeline_rewrite.py", [], ["--branches", "128"], "pipeline_rewrite.json",
@@ -105,6 +112,7 @@ BENCHES = {
     "grad_buckets": ("bench_grad_buckets.py", [], ["--iters", "15"], "grad_buckets.json", rows_grad_buckets),
     "tensor_parallel": ("bench_tensor_parallel.py", [], ["--rounds", "1", "--steps", "5"], "tensor_parallel.json",
                         rows_tensor_parallel),
+    "timeline": ("bench_timeline.py", [], ["--rounds", "1", "--steps", "10"], "timeline.json", rows_timeline),
 }
 
 # The example, each feature on and off: (name, nprocs, extra args, env)
