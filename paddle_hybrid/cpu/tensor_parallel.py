@@ -36,15 +36,6 @@ import functools
 
 __all__ = ["apply", "PATCHED_MP_OPS"]
 
-# mp_ops functions replaced, with the parameter names they were written against (3.3.1).
-PATCHED_MP_OPS = {
-    "_c_identity": ["tensor", "group", "skip_c_identity_dynamic"],
-    "_mp_allreduce": ["tensor", "op", "group", "use_calc_stream", "use_model_parallel",
-                      "skip_c_identity_dynamic"],
-    "_c_split": ["tensor", "group"],
-    "_c_concat": ["tensor", "group"],
-    "_c_softmax_with_cross_entropy": ["logits", "label", "group", "return_softmax", "ignore_index"],
-}
 
 
 # ---------------------------------------------------------------------------
@@ -71,7 +62,7 @@ def _gather_last_dim(tensor, group, nranks):
     import paddle.distributed as dist
 
     parts = []
-    dist.all_gather(parts, tensor.contiguous() if hasattr(tensor, "contiguous") else tensor, group=group)
+    dist.all_gather(parts, tensor, group=group)
     if len(parts) != nranks:
         raise RuntimeError(f"paddle_hybrid.cpu: all_gather returned {len(parts)} parts for {nranks} ranks.")
     return paddle.concat(parts, axis=-1)
@@ -241,26 +232,25 @@ def _make_mp_allreduce(orig):
     return _mp_allreduce
 
 
-def _make_c_split(orig):
-    @_dygraph_only(orig)
-    def _c_split(tensor, group=None):
-        if _not_member(group):
-            return None
-        group, rank, nranks = _resolve(group)
-        return _layers()["split"].apply(tensor, group, rank, nranks)
+def _make_last_dim(layer_key):
+    """``_c_split`` (own slice forward) or ``_c_concat`` (gather forward): same arguments,
+    the autograd function named by ``layer_key`` ("split" or "gather")."""
 
-    return _c_split
+    def make(orig):
+        @_dygraph_only(orig)
+        def last_dim_op(tensor, group=None):
+            if _not_member(group):
+                return None
+            group, rank, nranks = _resolve(group)
+            return _layers()[layer_key].apply(tensor, group, rank, nranks)
+
+        return last_dim_op
+
+    return make
 
 
-def _make_c_concat(orig):
-    @_dygraph_only(orig)
-    def _c_concat(tensor, group=None):
-        if _not_member(group):
-            return None
-        group, rank, nranks = _resolve(group)
-        return _layers()["gather"].apply(tensor, group, rank, nranks)
-
-    return _c_concat
+_make_c_split = _make_last_dim("split")
+_make_c_concat = _make_last_dim("gather")
 
 
 def _make_cross_entropy(orig):
@@ -346,12 +336,16 @@ def _make_broadcast_input_data(orig):
 
 # ---------------------------------------------------------------------------
 
-_MAKERS = {
-    "_c_identity": _make_c_identity,
-    "_mp_allreduce": _make_mp_allreduce,
-    "_c_split": _make_c_split,
-    "_c_concat": _make_c_concat,
-    "_c_softmax_with_cross_entropy": _make_cross_entropy,
+# mp_ops functions replaced: the parameter names they were written against (3.3.1) and
+# the maker of the replacement.
+PATCHED_MP_OPS = {
+    "_c_identity": (["tensor", "group", "skip_c_identity_dynamic"], _make_c_identity),
+    "_mp_allreduce": (["tensor", "op", "group", "use_calc_stream", "use_model_parallel",
+                       "skip_c_identity_dynamic"], _make_mp_allreduce),
+    "_c_split": (["tensor", "group"], _make_c_split),
+    "_c_concat": (["tensor", "group"], _make_c_concat),
+    "_c_softmax_with_cross_entropy": (["logits", "label", "group", "return_softmax", "ignore_index"],
+                                      _make_cross_entropy),
 }
 
 
@@ -361,14 +355,14 @@ def apply(patcher) -> None:
     from paddle.distributed.fleet.meta_parallel import tensor_parallel
     from paddle.distributed.fleet.utils import hybrid_parallel_util
 
-    for name, params in PATCHED_MP_OPS.items():
+    for name, (params, _) in PATCHED_MP_OPS.items():
         patcher.check_params(patcher.require(mp_ops, name, "mp_ops"), params, f"mp_ops.{name}")
     bcast = patcher.require(hybrid_parallel_util, "broadcast_input_data", "hybrid_parallel_util")
     patcher.check_params(bcast, ["hcg", "inputs", "kwargs"], "hybrid_parallel_util.broadcast_input_data")
     patcher.require(tensor_parallel, "broadcast_input_data", "meta_parallel.tensor_parallel")
 
-    for name, make in _MAKERS.items():
-        replacement = make(getattr(mp_ops, name))
+    for name, (_, maker) in PATCHED_MP_OPS.items():
+        replacement = maker(getattr(mp_ops, name))
         patcher.set(mp_ops, name, replacement)
         if getattr(collective, name, None) is replacement.__wrapped_original__:
             patcher.set(collective, name, replacement)
