@@ -18,14 +18,33 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 
+from ..patching import describe_versions, version_supported
 from .recorder import RECORDER, hooks_installed, install_hooks, remove_hooks
 
-__all__ = ["enable", "disable", "is_enabled", "events", "finish", "install", "uninstall", "RECORDER"]
+__all__ = ["enable", "disable", "is_enabled", "events", "finish", "install", "uninstall", "RECORDER",
+           "SUPPORTED_PADDLE"]
+
+# The recording hooks were written and checked against these Paddle versions.
+SUPPORTED_PADDLE = ("3.3.",)
+
+
+def _unverified_paddle():
+    """A message if this Paddle is not one the hooks were checked on, else None."""
+    import paddle
+
+    if version_supported(paddle.__version__, SUPPORTED_PADDLE):
+        return None
+    return (f"paddle_hybrid.timeline: the recording hooks are written for Paddle "
+            f"{describe_versions(SUPPORTED_PADDLE)}, found {paddle.__version__}")
 
 
 def enable() -> None:
     """Start recording every following ``train_batch`` of a fleet pipeline model."""
+    problem = _unverified_paddle()
+    if problem:
+        raise RuntimeError(problem + "; not recording.")
     install_hooks()
 
 
@@ -46,8 +65,14 @@ def events() -> list:
 # -- the plugin component: PluginConfig.timeline turns recording on at import --------------
 
 def install(config) -> None:
-    if config.timeline:
-        enable()
+    if not config.timeline:
+        return
+    problem = _unverified_paddle()
+    if problem:  # asked for at import: warn, never break ``import paddle_hybrid``
+        warnings.warn(problem + "; not recording (PADDLE_HYBRID_TIMELINE=0 silences this).", RuntimeWarning,
+                      stacklevel=2)
+        return
+    enable()
 
 
 def uninstall() -> None:

@@ -45,3 +45,19 @@ def test_nothing_recorded_outside_train_batch():
     rec.end_step()
     assert [(e["rank"], e["step"], e["cat"], e["micro"]) for e in rec.events] == [(3, 0, "forward", 0)]
     assert rec.events[0]["end"] >= rec.events[0]["start"] and rec.step == 1
+
+
+def test_unverified_paddle_refused(monkeypatch):
+    import warnings
+
+    import paddle
+    import pytest
+
+    monkeypatch.setattr(paddle, "__version__", "9.9.0")
+    with pytest.raises(RuntimeError, match="written for Paddle 3.3.x, found 9.9.0"):
+        timeline.enable()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        timeline.install(PluginConfig(timeline=True))
+    assert any("not recording" in str(w.message) for w in caught)
+    assert not timeline.is_enabled()
