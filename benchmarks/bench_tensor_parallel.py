@@ -34,17 +34,18 @@ def load_example():
 
 
 class CollectiveClock:
-    """Wall time spent inside ``paddle.distributed`` collectives while installed (the
-    benchmark's own instrument, removed by :meth:`remove`)."""
+    """Wall time spent inside ``paddle.distributed`` collectives while installed: the
+    benchmark's own instrument, put in and taken out through the plugin's Patcher."""
 
     def __init__(self):
         import paddle.distributed as dist
 
-        self.dist, self.seconds, self.calls, self.saved = dist, 0.0, 0, {}
+        from paddle_hybrid.patching import Patcher
+
+        self.seconds, self.calls = 0.0, 0
+        self._patcher = Patcher("bench_tensor_parallel", "nothing (a benchmark instrument)")
         for name in TIMED_COLLECTIVES:
-            orig = getattr(dist, name)
-            self.saved[name] = orig
-            setattr(dist, name, self._timed(orig))
+            self._patcher.set(dist, name, self._timed(getattr(dist, name)))
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
@@ -63,8 +64,7 @@ class CollectiveClock:
         return out
 
     def remove(self):
-        for name, orig in self.saved.items():
-            setattr(self.dist, name, orig)
+        self._patcher.revert()
 
 
 def worker(argv):
