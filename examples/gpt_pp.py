@@ -442,23 +442,19 @@ def train_step(model, loss_fn, opt, sched, x, y, args):
     With a pipeline fleet's schedule runs them; with --pp 1 they run here in turn."""
     if args.pp > 1:
         return model.train_batch([x, y], opt, sched)
-    import contextlib
+    import paddle
 
+    # --pp 1: fleet wraps the PipelineLayer in NoPipelineParallel (or group sharding), which
+    # has no reducer; gradients accumulate here and the optimizer's step syncs them
     total = 0.0
     mbs = args.micro_batch_size
     for m in range(args.accumulate_steps):
-        last = m == args.accumulate_steps - 1
-        # DataParallel: reduce the gradients once, on the last microbatch
-        ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
-        with ctx:
-            loss = loss_fn(model(x[m * mbs:(m + 1) * mbs]), y[m * mbs:(m + 1) * mbs])
-            (loss / args.accumulate_steps).backward()
+        loss = loss_fn(model(x[m * mbs:(m + 1) * mbs]), y[m * mbs:(m + 1) * mbs])
+        (loss / args.accumulate_steps).backward()
         total += float(loss)
     opt.step()
     sched.step()
     opt.clear_grad()
-    import paddle
-
     return paddle.to_tensor([total / args.accumulate_steps])
 
 
