@@ -51,11 +51,11 @@ VARIANTS = ("stock", "deferred", "plugin")
 @contextlib.contextmanager
 def _variant(name):
     was = reshard_patch.is_installed()
-    reshard_patch.uninstall()
+    paddle_hybrid.uninstall_component("passes.reshard")
     saved = reshard_patch._indexed_process_groups
     try:
         if name != "stock":
-            reshard_patch.install(PluginConfig())
+            paddle_hybrid.install_component("passes.reshard", PluginConfig())
             if not reshard_patch.is_installed():
                 raise SystemExit("the reshard patch did not install on this Paddle (see the warning above)")
         if name == "deferred":
@@ -63,9 +63,9 @@ def _variant(name):
         yield
     finally:
         reshard_patch._indexed_process_groups = saved
-        reshard_patch.uninstall()
+        paddle_hybrid.uninstall_component("passes.reshard")
         if was:
-            reshard_patch.install(PluginConfig())
+            paddle_hybrid.install_component("passes.reshard", PluginConfig())
 
 
 @contextlib.contextmanager

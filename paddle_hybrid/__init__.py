@@ -5,7 +5,8 @@ installs its components once (see :mod:`paddle_hybrid._install`);
 :func:`uninstall` undoes them.
 """
 from . import analysis, ops, timeline
-from ._install import current_config, install, installed_components, uninstall
+from ._install import (InstallError, current_config, install, install_component, installed_components, patches,
+                       report, uninstall, uninstall_component)
 from .config import PluginConfig
 from .dygraph import BucketLayoutError, GradBuckets, GradSyncError
 from .cuda_graph import CUDAGraphedLayer, GraphPool
@@ -20,6 +21,11 @@ __all__ = [
     "install",
     "uninstall",
     "installed_components",
+    "install_component",
+    "uninstall_component",
+    "report",
+    "patches",
+    "InstallError",
     "current_config",
     "__version__",
     "CUDAGraphedLayer",

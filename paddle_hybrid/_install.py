@@ -1,18 +1,40 @@
-"""Installing and uninstalling the plugin's changes to Paddle, in one place.
+"""The one registry of what the plugin changes in Paddle: install all or none, undo all.
 
-Every component that touches Paddle (fleet registration, patches for CPU/gloo,
-reshard without per-insert sync, ...) is a module with ``install(config)`` and
-``uninstall()`` listed in ``COMPONENTS``.  ``import paddle_hybrid`` calls
-:func:`install` once; :func:`uninstall` undoes every component in reverse order.
+Every component that touches Paddle is a module listed in ``COMPONENTS`` with
+
+* ``VERIFIED_PADDLE``: the Paddle version prefixes every change of it was checked on;
+* ``SWITCH``: how a user turns it off (quoted in messages);
+* ``skip_reason(config)``: why this config does not want it (switched off, not needed), or None;
+* ``apply(config, patcher)``: make every change through the :class:`~.patching.Patcher` it is
+  given (``set`` for an attribute, ``on_revert`` for anything else), or raise
+  :class:`ComponentSkipped` when it finds at run time that it cannot apply.
+
+Policy:
+
+* on a Paddle version a component was not verified on, it is skipped with a warning naming the
+  version and the switch that forces it (``PADDLE_HYBRID_FORCE=<name>[,<name>...]`` or ``all``);
+  ``import paddle_hybrid`` never fails for that reason;
+* install is all or none: if a component raises, everything installed so far is undone and one
+  :class:`InstallError` names the component, the cause and its switch;
+* :func:`uninstall` restores every original, newest first; the :func:`install` after it reads
+  the environment again.
+
+:func:`report` says what is active and why the rest is not; :func:`patches` lists every
+replaced attribute with its original, its replacement and the versions it was verified on.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
+import warnings
 
 from .config import PluginConfig
+from .patching import Patcher, describe_versions, version_supported
 
-__all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "current_config"]
+__all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "current_config", "report",
+           "patches", "component_state", "install_component", "uninstall_component", "is_verified",
+           "InstallError", "ComponentSkipped"]
 
 # Module paths, installed in this order and uninstalled in reverse.
 COMPONENTS: list[str] = [
@@ -25,52 +47,223 @@ COMPONENTS: list[str] = [
     "paddle_hybrid.timeline",
 ]
 
+
+class InstallError(RuntimeError):
+    """A component failed to install; nothing of the plugin is installed."""
+
+
+class ComponentSkipped(Exception):
+    """Raised by a component's ``apply`` when it finds it cannot apply here (before any change)."""
+
+
+@dataclasses.dataclass
+class ComponentState:
+    """What the registry knows of one component after :func:`install`."""
+
+    path: str
+    status: str  # "active" | "off" (not wanted by the config) | "skipped" (cannot or may not apply)
+    reason: str = ""
+    patcher: Patcher | None = None
+    verified: tuple = ()
+
+
 _lock = threading.RLock()
-_installed: list[str] = []
+_states: dict[str, ComponentState] = {}  # path -> state, in install order
 _config: PluginConfig | None = None
 
 
-def install(config: PluginConfig | None = None) -> PluginConfig:
-    """Install every component (idempotent: an installed one is left alone).
+def short_name(path: str) -> str:
+    """``paddle_hybrid.cuda_graph.pipeline`` -> ``cuda_graph.pipeline`` (the name
+    ``PADDLE_HYBRID_FORCE`` takes)."""
+    return path.removeprefix("paddle_hybrid.")
 
-    ``config`` defaults to :meth:`PluginConfig.from_env`.  To change the config
-    of an installed plugin, call :func:`uninstall` first.
+
+def _resolve(name: str) -> str:
+    path = name if name.startswith("paddle_hybrid.") else "paddle_hybrid." + name
+    if path not in COMPONENTS:
+        raise ValueError(f"paddle_hybrid: no component {name!r}; components are "
+                         f"{[short_name(p) for p in COMPONENTS]}.")
+    return path
+
+
+def is_verified(path: str, config: PluginConfig | None = None) -> tuple[bool, str]:
+    """``(ok, message)``: may component ``path`` change this Paddle?  ``message`` says why not,
+    naming the version and the switch that forces it."""
+    import paddle
+
+    module = importlib.import_module(path)
+    config = config or _config or PluginConfig.from_env()
+    forced = "all" in config.force_unverified or short_name(path) in config.force_unverified
+    if forced or version_supported(paddle.__version__, module.VERIFIED_PADDLE):
+        return True, ""
+    return False, (f"{path}: verified on Paddle {describe_versions(module.VERIFIED_PADDLE)}, this is "
+                   f"{paddle.__version__}; skipped. Set PADDLE_HYBRID_FORCE={short_name(path)} to install it "
+                   f"anyway, or {module.SWITCH} to silence this.")
+
+
+def _install_one(path: str, config: PluginConfig) -> ComponentState:
+    """Phases: wanted? verified? apply (undone on any failure)."""
+    module = importlib.import_module(path)
+    verified = tuple(module.VERIFIED_PADDLE)
+    reason = module.skip_reason(config)
+    if reason:
+        return ComponentState(path, "off", reason, verified=verified)
+    ok, message = is_verified(path, config)
+    if not ok:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return ComponentState(path, "skipped", message, verified=verified)
+    patcher = Patcher(path, module.SWITCH)
+    try:
+        module.apply(config, patcher)
+    except ComponentSkipped as skipped:
+        patcher.revert()
+        message = f"{path}: {skipped} ({module.SWITCH} silences this)"
+        warnings.warn(message, getattr(skipped, "category", RuntimeWarning), stacklevel=3)
+        return ComponentState(path, "skipped", message, verified=verified)
+    except BaseException:
+        patcher.revert()
+        raise
+    return ComponentState(path, "active", "", patcher, verified)
+
+
+def _undo(state: ComponentState) -> None:
+    if state.patcher is not None:
+        state.patcher.revert()
+
+
+def install(config: PluginConfig | None = None) -> PluginConfig:
+    """Install every component: all or none (idempotent while installed).
+
+    ``config`` defaults to :meth:`PluginConfig.from_env`, read now.  To change the config of an
+    installed plugin, call :func:`uninstall` first.
     """
     global _config
     with _lock:
-        if config is None:
-            config = _config or PluginConfig.from_env()
-        elif _installed and config != _config:
-            raise RuntimeError(
-                "paddle_hybrid is already installed with another config; call "
-                "paddle_hybrid.uninstall() before installing with a new one."
-            )
+        if _states:
+            if config is not None and config != _config:
+                raise RuntimeError("paddle_hybrid is already installed with another config; call "
+                                   "paddle_hybrid.uninstall() before installing with a new one.")
+            return _config
+        config = config if config is not None else PluginConfig.from_env()
+        _check_forced_names(config)
         _config = config
         for path in COMPONENTS:
-            if path in _installed:
-                continue
-            importlib.import_module(path).install(config)
-            _installed.append(path)
+            try:
+                _states[path] = _install_one(path, config)
+            except BaseException as exc:
+                switch = getattr(importlib.import_module(path), "SWITCH", "its switch")
+                _rollback()
+                raise InstallError(
+                    f"paddle_hybrid: installing {path} failed: {exc}. Nothing of the plugin is installed "
+                    f"(every change was undone). {switch} turns this component off.") from exc
         return config
 
 
+def _check_forced_names(config: PluginConfig) -> None:
+    known = {short_name(p) for p in COMPONENTS} | {"all"}
+    unknown = [n for n in config.force_unverified if n not in known]
+    if unknown:
+        raise ValueError(f"paddle_hybrid: PADDLE_HYBRID_FORCE (PluginConfig.force_unverified) names "
+                         f"{unknown}, which are not components; use some of {sorted(known)}.")
+
+
+def _rollback() -> None:
+    global _config
+    failures = []
+    while _states:
+        _, state = _states.popitem()
+        try:
+            _undo(state)
+        except Exception as exc:  # keep undoing the rest
+            failures.append(f"{state.path}: {exc}")
+    _config = None
+    if failures:
+        warnings.warn("paddle_hybrid: could not undo " + "; ".join(failures), RuntimeWarning, stacklevel=3)
+
+
 def uninstall() -> None:
-    """Undo every installed component, newest first."""
+    """Undo every installed component, newest first; the next :func:`install` reads the
+    environment again."""
+    global _config
     with _lock:
         errors = []
-        while _installed:
-            path = _installed.pop()
+        while _states:
+            _, state = _states.popitem()
             try:
-                importlib.import_module(path).uninstall()
+                _undo(state)
             except Exception as exc:  # keep undoing the rest
-                errors.append(f"{path}: {exc!r}")
+                errors.append(f"{state.path}: {exc!r}")
+        _config = None
         if errors:
             raise RuntimeError("paddle_hybrid.uninstall: " + "; ".join(errors))
 
 
+def install_component(name: str, config: PluginConfig | None = None) -> ComponentState:
+    """(Re)install one component with ``config`` (the installed config by default): for tests and
+    for turning one feature off and on without touching the others."""
+    path = _resolve(name)
+    with _lock:
+        uninstall_component(path)
+        state = _install_one(path, config or _config or PluginConfig.from_env())
+        _states[path] = state
+        _reorder()
+        return state
+
+
+def uninstall_component(name: str) -> None:
+    path = _resolve(name)
+    with _lock:
+        state = _states.pop(path, None)
+        if state is not None:
+            _undo(state)
+
+
+def _reorder() -> None:
+    ordered = {p: _states[p] for p in COMPONENTS if p in _states}
+    _states.clear()
+    _states.update(ordered)
+
+
+def component_state(name: str) -> ComponentState | None:
+    return _states.get(_resolve(name))
+
+
 def installed_components() -> list[str]:
-    return list(_installed)
+    """Paths of the active components, in install order."""
+    return [p for p, s in _states.items() if s.status == "active"]
 
 
 def current_config() -> PluginConfig | None:
     return _config
+
+
+def patches() -> list[dict]:
+    """Every Paddle attribute the active components replaced: component, owner, name,
+    original, replacement, verified versions."""
+    out = []
+    for state in _states.values():
+        if state.patcher is None:
+            continue
+        for owner, name, original, replacement in state.patcher.changes():
+            out.append({"component": state.path, "owner": getattr(owner, "__name__", repr(owner)),
+                        "name": name, "original": original, "replacement": replacement,
+                        "verified": describe_versions(state.verified)})
+    return out
+
+
+def report() -> str:
+    """One line per component: active (with how many changes) or why not."""
+    import paddle
+
+    lines = [f"paddle_hybrid on Paddle {paddle.__version__}:"]
+    for path in COMPONENTS:
+        state = _states.get(path)
+        if state is None:
+            lines.append(f"  {short_name(path):22s} not installed (paddle_hybrid.install() not called)")
+        elif state.status == "active":
+            n = len(state.patcher.changes()) if state.patcher else 0
+            lines.append(f"  {short_name(path):22s} active: {n} Paddle attributes replaced "
+                         f"(verified on {describe_versions(state.verified)})")
+        else:
+            lines.append(f"  {short_name(path):22s} {state.status}: {state.reason}")
+    return "\n".join(lines)

@@ -106,11 +106,19 @@ class PluginConfig:
     """Record a per-rank timeline of every pipeline ``train_batch`` (:mod:`paddle_hybrid.timeline`;
     :func:`paddle_hybrid.timeline.finish` writes it) (``PADDLE_HYBRID_TIMELINE``)."""
 
+    force_unverified: tuple = ()
+    """Components to install even on a Paddle version they were not verified on: short names as
+    ``paddle_hybrid.report()`` prints them (``"cpu"``, ``"cuda_graph.pipeline"``), or ``"all"``
+    (``PADDLE_HYBRID_FORCE``, comma-separated)."""
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise TypeError(f"PluginConfig.{f.name} must be a bool, got {value!r}.")
+        if not isinstance(self.force_unverified, tuple) or not all(isinstance(n, str) for n in self.force_unverified):
+            raise TypeError("PluginConfig.force_unverified must be a tuple of component names, got "
+                            f"{self.force_unverified!r} (PADDLE_HYBRID_FORCE).")
         if self.cpu_hybrid not in ("auto", "on", "off"):
             raise ValueError(f"PluginConfig.cpu_hybrid must be 'auto', 'on' or 'off', got {self.cpu_hybrid!r} "
                              "(environment variable PADDLE_HYBRID_CPU_HYBRID).")
@@ -142,4 +150,6 @@ class PluginConfig:
             cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
             cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),
             timeline=_env_bool("PADDLE_HYBRID_TIMELINE", False),
+            force_unverified=tuple(n.strip() for n in os.environ.get("PADDLE_HYBRID_FORCE", "").split(",")
+                                   if n.strip()),
         )

@@ -28,7 +28,8 @@ class Patcher:
         ``off_switch`` is the setting that turns the component off, quoted in them."""
         self.component, self.off_switch = component, off_switch
         self._lock = threading.RLock()
-        self._saved: list[tuple[object, str, object]] = []
+        # (owner, name, original, replacement); owner None: ``name`` is an undo callback
+        self._saved: list[tuple[object, str, object, object]] = []
 
     @property
     def applied(self) -> bool:
@@ -36,7 +37,11 @@ class Patcher:
 
     def patched(self) -> list[tuple[object, str]]:
         """``(owner, name)`` of every replaced attribute, in patch order."""
-        return [(owner, name) for owner, name, _ in self._saved]
+        return [(owner, name) for owner, name, _, _ in self._saved if owner is not None]
+
+    def changes(self) -> list[tuple[object, str, object, object]]:
+        """``(owner, name, original, replacement)`` of every replaced attribute, in patch order."""
+        return [entry for entry in self._saved if entry[0] is not None]
 
     def check_params(self, fn, names, where: str) -> None:
         try:
@@ -64,18 +69,38 @@ class Patcher:
                 original = owner.__dict__.get(name, _MISSING)
             else:
                 original = getattr(owner, name, _MISSING)
-            self._saved.append((owner, name, original))
+            self._saved.append((owner, name, original, value))
             setattr(owner, name, value)
 
+    def on_revert(self, undo, what: str) -> None:
+        """Run ``undo()`` at :meth:`revert`, in the same newest-first order as the attribute
+        changes: for changes that are not one attribute (a list entry, a hook, a flag)."""
+        with self._lock:
+            self._saved.append((None, what, undo, None))
+
     def revert(self) -> None:
+        """Undo every change newest first; every undo runs even if one fails, then the first
+        failure is raised."""
+        failures = []
         with self._lock:
             while self._saved:
-                owner, name, original = self._saved.pop()
-                if original is _MISSING:
-                    if name in vars(owner):
-                        delattr(owner, name)
-                else:
-                    setattr(owner, name, original)
+                owner, name, original, _ = self._saved.pop()
+                try:
+                    self._undo(owner, name, original)
+                except Exception as exc:  # keep undoing the rest, report below
+                    failures.append(f"{name}: {exc!r}")
+        if failures:
+            raise RuntimeError(f"{self.component}: could not undo " + "; ".join(failures))
+
+    @staticmethod
+    def _undo(owner, name, original) -> None:
+        if owner is None:
+            original()
+        elif original is _MISSING:
+            if name in vars(owner):
+                delattr(owner, name)
+        else:
+            setattr(owner, name, original)
 
     def apply_modules(self, package: str, names) -> None:
         """``<package>.<name>.apply(self)`` for every name, in order; all or none: on any

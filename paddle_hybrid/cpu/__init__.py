@@ -24,64 +24,52 @@ concern                    what it fixes (details in the module's docstring)
 
 When: ``PluginConfig.cpu_hybrid`` ("auto": only when Paddle is not compiled
 with CUDA; "on": always; "off": never).  The patches are written against
-Paddle 3.3.x; on another version "on" raises and "auto" warns and does nothing.
+Paddle 3.3.x; on another version the registry (:mod:`paddle_hybrid._install`) skips them with a
+warning unless forced (``PADDLE_HYBRID_FORCE=cpu``).
 """
 from __future__ import annotations
 
-import warnings
+from ..patching import Patcher, PatchSignatureError
 
-from ..patching import Patcher, PatchSignatureError, describe_versions, version_supported
-
-__all__ = ["install", "uninstall", "is_active", "patched", "SUPPORTED_PADDLE", "CONCERNS",
+__all__ = ["skip_reason", "apply", "is_active", "patched", "VERIFIED_PADDLE", "SWITCH", "CONCERNS",
            "PatchSignatureError"]
 
-SUPPORTED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.3.",)
+SWITCH = "PADDLE_HYBRID_CPU_HYBRID=off (PluginConfig(cpu_hybrid='off'))"
 
 # Applied in this order (groups before p2p, which sends through them; p2p before
 # virtual_pipeline, which is only safe with p2p's ordering).
 CONCERNS = ["device", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute", "timers",
             "virtual_pipeline"]
 
-_patcher = Patcher("paddle_hybrid.cpu", "PADDLE_HYBRID_CPU_HYBRID=off (PluginConfig(cpu_hybrid='off'))")
 
-
-def _wanted(mode: str) -> bool:
+def skip_reason(config):
     import paddle
 
-    if mode == "off":
-        return False
-    if mode == "on":
-        return True
-    return not paddle.is_compiled_with_cuda()
+    if config.cpu_hybrid == "off":
+        return "switched off (cpu_hybrid='off')"
+    if config.cpu_hybrid == "auto" and paddle.is_compiled_with_cuda():
+        return "not needed: this Paddle has CUDA (cpu_hybrid='on' forces it)"
+    return None
 
 
-def install(config) -> None:
-    mode = config.cpu_hybrid
-    if not _wanted(mode) or _patcher.applied:
-        return
-    import paddle
-
-    version = paddle.__version__
-    if not version_supported(version, SUPPORTED_PADDLE):
-        msg = (f"paddle_hybrid.cpu: the CPU/gloo hybrid-parallel patches are written for Paddle "
-               f"{describe_versions(SUPPORTED_PADDLE)}, found {version}.")
-        if mode == "on":
-            raise RuntimeError(msg + " Set PluginConfig(cpu_hybrid='off') (PADDLE_HYBRID_CPU_HYBRID=off) "
-                                     "or use a supported Paddle.")
-        warnings.warn(msg + " Not installing them (cpu_hybrid='auto').", RuntimeWarning, stacklevel=2)
-        return
-    _patcher.apply_modules(__name__, CONCERNS)
+def apply(config, patcher: Patcher) -> None:
+    patcher.apply_modules(__name__, CONCERNS)
 
 
-def uninstall() -> None:
-    _patcher.revert()
+def _patcher():
+    from .._install import component_state
+
+    state = component_state(__name__)
+    return state.patcher if state is not None else None
 
 
 def is_active() -> bool:
     """True while the CPU/gloo patches are installed."""
-    return _patcher.applied
+    return _patcher() is not None
 
 
 def patched() -> list:
     """``(owner, attribute name)`` of every Paddle attribute the CPU support replaced."""
-    return _patcher.patched()
+    patcher = _patcher()
+    return patcher.patched() if patcher is not None else []

@@ -6,7 +6,7 @@ consecutive layers of a stage (or of a virtual-pipeline chunk) in
 from ``paddle.device.cuda.cuda_graphed_layer``; shared layers
 (``SharedLayerDesc``) and plain callables stay eager.  This component, one of
 ``paddle_hybrid._install.COMPONENTS``, changes two things in ``pp_layers`` and
-undoes them in :func:`uninstall`:
+``paddle_hybrid.uninstall()`` undoes them:
 
 * the module's ``CUDAGraphedLayer`` name becomes a factory building the
   plugin's :class:`CUDAGraphedLayer`;
@@ -17,9 +17,9 @@ undoes them in :func:`uninstall`:
 It also applies ``PluginConfig.cuda_malloc_async``: Paddle reads
 ``FLAGS_use_cuda_malloc_async_allocator`` once, when the GPU allocator is
 built, so the flag is set at ``import paddle_hybrid`` (before any GPU tensor
-exists, if the plugin is imported first) and restored by :func:`uninstall`.
+exists, if the plugin is imported first) and restored at uninstall.
 
-Written for Paddle 3.3.x; on another version install raises, naming it.
+Verified on Paddle 3.3.x; on another version the registry skips it with a warning.
 """
 from __future__ import annotations
 
@@ -27,16 +27,20 @@ import functools
 import threading
 import warnings
 
-__all__ = ["install", "uninstall", "is_active", "SUPPORTED_PADDLE", "graphed_layers"]
+__all__ = ["skip_reason", "apply", "is_active", "VERIFIED_PADDLE", "SWITCH", "graphed_layers"]
 
-SUPPORTED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.3.",)
+SWITCH = ("PADDLE_HYBRID_PIPELINE_CUDAGRAPH=0 and PADDLE_HYBRID_CUDA_MALLOC_ASYNC=0 "
+          "(PluginConfig(pipeline_cudagraph=False, cuda_malloc_async=False))")
 
-_state: dict = {}
 _local = threading.local()
 
 
 def is_active() -> bool:
-    return bool(_state)
+    from .._install import component_state
+
+    state = component_state(__name__)
+    return state is not None and state.status == "active"
 
 
 def _pp_layers():
@@ -80,7 +84,7 @@ def _wrap_build(original):
     return _build_layer_impl
 
 
-def _set_malloc_async(config):
+def _set_malloc_async(config, patcher):
     import paddle
 
     flag = "FLAGS_use_cuda_malloc_async_allocator"
@@ -105,42 +109,23 @@ def _set_malloc_async(config):
                 stacklevel=3,
             )
     paddle.set_flags({flag: True})
-    _state["malloc_async_before"] = before
+    patcher.on_revert(lambda: paddle.set_flags({flag: before}), flag)
 
 
-def install(config) -> None:
-    if _state:
-        return
-    import paddle
+def skip_reason(config):
+    if not config.pipeline_cudagraph and not config.cuda_malloc_async:
+        return "switched off (pipeline_cudagraph=False, cuda_malloc_async=False)"
+    return None
 
+
+def apply(config, patcher) -> None:
     if config.pipeline_cudagraph:
-        if not paddle.__version__.startswith(SUPPORTED_PADDLE):
-            raise RuntimeError(
-                f"paddle_hybrid.cuda_graph.pipeline: written for Paddle "
-                f"{'/'.join(v + 'x' for v in SUPPORTED_PADDLE)}, found {paddle.__version__}; set "
-                "PADDLE_HYBRID_PIPELINE_CUDAGRAPH=0 (PluginConfig.pipeline_cudagraph=False) to skip it."
-            )
         pp = _pp_layers()
-        _state["cls_name"] = pp.CUDAGraphedLayer
-        _state["build"] = pp.PipelineLayer.__dict__["_build_layer_impl"]
-        pp.CUDAGraphedLayer = _factory(config)
-        pp.PipelineLayer._build_layer_impl = _wrap_build(_state["build"])
-    _set_malloc_async(config)
-    _state["installed"] = True
-
-
-def uninstall() -> None:
-    if not _state:
-        return
-    if "cls_name" in _state:
-        pp = _pp_layers()
-        pp.CUDAGraphedLayer = _state["cls_name"]
-        pp.PipelineLayer._build_layer_impl = _state["build"]
-    if "malloc_async_before" in _state:
-        import paddle
-
-        paddle.set_flags({"FLAGS_use_cuda_malloc_async_allocator": _state["malloc_async_before"]})
-    _state.clear()
+        build = patcher.require(pp.PipelineLayer, "_build_layer_impl", "PipelineLayer")
+        patcher.require(pp, "CUDAGraphedLayer", "pp_layers")
+        patcher.set(pp, "CUDAGraphedLayer", _factory(config))
+        patcher.set(pp.PipelineLayer, "_build_layer_impl", _wrap_build(build))
+    _set_malloc_async(config, patcher)
 
 
 def graphed_layers(pipeline_layer) -> list:

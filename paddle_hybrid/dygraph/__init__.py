@@ -16,7 +16,8 @@ Bucket size: ``strategy.fuse_grad_size_in_MB``; count limit:
 ``PluginConfig.grad_bucket_max_params``.  Not used (Paddle's path stays) with
 tensor, sharding or sep parallelism, or ``pp_configs.dp_comm_overlap``.
 
-Three patches, undone by :func:`uninstall`: ``fleet.distributed_model`` (attach),
+Three patches, undone by ``paddle_hybrid.uninstall()`` (which first detaches every bucket
+set's hooks and gives DataParallel models their reducer back): ``fleet.distributed_model`` (attach),
 ``HybridParallelOptimizer._hybrid_sync_grad`` (``finish_grad_sync`` of the
 buckets, Paddle's sync for any other parameter) and ``Tensor.clear_gradient``
 (in-place zero for bucketed parameters, so their gradients stay views).
@@ -28,11 +29,9 @@ import functools
 from . import grad_buckets
 from .grad_buckets import BucketLayoutError, GradBuckets, GradSyncError, buckets_of
 
-__all__ = ["install", "uninstall", "GradBuckets", "BucketLayoutError", "GradSyncError", "buckets_of",
+__all__ = ["skip_reason", "apply", "VERIFIED_PADDLE", "SWITCH", "GradBuckets", "BucketLayoutError", "GradSyncError", "buckets_of",
            "attach_buckets"]
 
-_saved: list = []
-_config = None
 
 
 def _hpo_class():
@@ -92,21 +91,20 @@ def attach_buckets(model, strategy, hcg, max_params: int = 0):
     return buckets
 
 
-def _make_distributed_model(orig):
+def _make_distributed_model(orig, config):
     @functools.wraps(orig)
     def distributed_model(model):
         from paddle.distributed import fleet
 
         out = orig(model)
-        if _config is not None and _config.grad_buckets:
-            attach_buckets(out, fleet.fleet._user_defined_strategy, fleet.fleet._hcg,
-                           max_params=_config.grad_bucket_max_params)
+        attach_buckets(out, fleet.fleet._user_defined_strategy, fleet.fleet._hcg,
+                       max_params=config.grad_bucket_max_params)
         return out
 
     return distributed_model
 
 
-def _make_hybrid_sync_grad(orig):
+def _make_hybrid_sync_grad(orig, config):
     @functools.wraps(orig)
     def _hybrid_sync_grad(self, parameter_list):
         sets, rest = grad_buckets.buckets_for_params(parameter_list)
@@ -121,7 +119,7 @@ def _make_hybrid_sync_grad(orig):
     return _hybrid_sync_grad
 
 
-def _make_clear_gradient(orig):
+def _make_clear_gradient(orig, config):
     def clear_gradient(self, set_to_zero=True):
         if grad_buckets.is_bucketed(self):
             self._zero_grads()  # keep the view into the bucket buffer
@@ -132,34 +130,32 @@ def _make_clear_gradient(orig):
     return clear_gradient
 
 
-def _set(owner, name, value):
-    _saved.append((owner, name, getattr(owner, name)))
-    setattr(owner, name, value)
+VERIFIED_PADDLE = ("3.3.",)
+SWITCH = "PADDLE_HYBRID_GRAD_BUCKETS=0 (PluginConfig(grad_buckets=False))"
 
 
-def install(config) -> None:
-    global _config
-    if _saved:
-        return
+def skip_reason(config):
+    return None if config.grad_buckets else "switched off (grad_buckets=False)"
+
+
+def apply(config, patcher) -> None:
+    """Phases: check every target exists (before any change), patch, and on undo detach every
+    bucket set's hooks before the originals come back."""
     import paddle
     from paddle.distributed import fleet
 
     hpo = _hpo_class()
-    for owner, name in ((fleet, "distributed_model"), (hpo, "_hybrid_sync_grad"), (paddle.Tensor, "clear_gradient")):
-        if not callable(getattr(owner, name, None)):
-            raise RuntimeError(f"paddle_hybrid.dygraph: {owner.__name__}.{name} not found; unexpected Paddle "
-                               "version. Set PADDLE_HYBRID_GRAD_BUCKETS=0 to run without gradient buckets.")
-    _config = config
-    _set(fleet, "distributed_model", _make_distributed_model(fleet.distributed_model))
-    _set(hpo, "_hybrid_sync_grad", _make_hybrid_sync_grad(hpo._hybrid_sync_grad))
-    _set(paddle.Tensor, "clear_gradient", _make_clear_gradient(paddle.Tensor.clear_gradient))
+    targets = {(fleet, "distributed_model"): _make_distributed_model,
+               (hpo, "_hybrid_sync_grad"): _make_hybrid_sync_grad,
+               (paddle.Tensor, "clear_gradient"): _make_clear_gradient}
+    for owner, name in targets:
+        if not callable(patcher.require(owner, name, getattr(owner, "__name__", str(owner)))):
+            raise RuntimeError(f"paddle_hybrid.dygraph: {owner.__name__}.{name} is not callable; unexpected Paddle.")
+    for (owner, name), make in targets.items():
+        patcher.set(owner, name, make(getattr(owner, name), config))
+    patcher.on_revert(_remove_all_buckets, "detach every gradient bucket set")
 
 
-def uninstall() -> None:
-    global _config
+def _remove_all_buckets() -> None:
     for s in grad_buckets.all_bucket_sets():
         s.remove()
-    while _saved:
-        owner, name, original = _saved.pop()
-        setattr(owner, name, original)
-    _config = None

@@ -28,11 +28,10 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import warnings
 
 from ..program_edit import deferred_sync
 
-__all__ = ["install", "uninstall", "is_installed", "ReshardPatchWarning", "EXPECTED_SOURCES"]
+__all__ = ["skip_reason", "apply", "is_installed", "VERIFIED_PADDLE", "SWITCH", "ReshardPatchWarning", "EXPECTED_SOURCES"]
 
 # sha256 of the sources the patch was written and tested against (Paddle 3.3.1):
 # the whole reshard module (every insert/remove path runs under the deferral)
@@ -49,7 +48,6 @@ class ReshardPatchWarning(RuntimeWarning):
     """The reshard patch was not installed because Paddle's source differs."""
 
 
-_original_reshard = None
 
 
 def _modules():
@@ -140,40 +138,36 @@ def _make_wrapper(original):
     return reshard
 
 
-def install(config) -> None:
-    """Wrap ``Resharder.reshard`` if ``config.reshard_deferred_sync`` and the
-    installed Paddle's source is the checked one; warn and do nothing otherwise."""
-    global _original_reshard
-    if not config.reshard_deferred_sync or _original_reshard is not None:
-        return
+VERIFIED_PADDLE = ("3.3.",)
+SWITCH = "PADDLE_HYBRID_RESHARD_DEFERRED_SYNC=0 (PluginConfig(reshard_deferred_sync=False))"
+
+
+def skip_reason(config):
+    return None if config.reshard_deferred_sync else "switched off (reshard_deferred_sync=False)"
+
+
+def apply(config, patcher) -> None:
+    """Wrap ``Resharder.reshard`` if the installed Paddle's source is the checked one; skip
+    (the registry warns, stock reshard stays) otherwise."""
+    from .._install import ComponentSkipped
+
     reshard, _ = _modules()
     bad = source_mismatches()
     if bad:
         import paddle
 
-        warnings.warn(
-            f"paddle_hybrid: reshard without per-insert sync NOT installed: the source of {', '.join(bad)} "
-            f"in Paddle {paddle.__version__} differs from the Paddle 3.3.1 source the patch was checked "
-            "against, so stock (slower) reshard is used. Check the patch against this Paddle and update "
-            "paddle_hybrid.passes.reshard.EXPECTED_SOURCES, or set PADDLE_HYBRID_RESHARD_DEFERRED_SYNC=0 "
-            "to silence this warning.",
-            ReshardPatchWarning,
-            stacklevel=2,
-        )
-        return
-    _original_reshard = reshard.Resharder.reshard
-    reshard.Resharder.reshard = _make_wrapper(_original_reshard)
-
-
-def uninstall() -> None:
-    """Put Paddle's ``Resharder.reshard`` back (no-op if not installed)."""
-    global _original_reshard
-    if _original_reshard is None:
-        return
-    reshard, _ = _modules()
-    reshard.Resharder.reshard = _original_reshard
-    _original_reshard = None
+        skipped = ComponentSkipped(
+            f"reshard without per-insert sync NOT installed: the source of {', '.join(bad)} in Paddle "
+            f"{paddle.__version__} differs from the source the patch was checked against, so stock (slower) "
+            "reshard is used. Check the patch against this Paddle and update "
+            "paddle_hybrid.passes.reshard.EXPECTED_SOURCES")
+        skipped.category = ReshardPatchWarning
+        raise skipped
+    patcher.set(reshard.Resharder, "reshard", _make_wrapper(reshard.Resharder.reshard))
 
 
 def is_installed() -> bool:
-    return _original_reshard is not None
+    from .._install import component_state
+
+    state = component_state(__name__)
+    return state is not None and state.status == "active"

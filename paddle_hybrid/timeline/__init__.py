@@ -18,33 +18,20 @@ from __future__ import annotations
 
 import os
 import socket
-import warnings
 
-from ..patching import describe_versions, version_supported
 from .recorder import RECORDER, hooks_installed, install_hooks, remove_hooks
 
-__all__ = ["enable", "disable", "is_enabled", "events", "finish", "install", "uninstall", "RECORDER",
-           "SUPPORTED_PADDLE"]
-
-# The recording hooks were written and checked against these Paddle versions.
-SUPPORTED_PADDLE = ("3.3.",)
-
-
-def _unverified_paddle():
-    """A message if this Paddle is not one the hooks were checked on, else None."""
-    import paddle
-
-    if version_supported(paddle.__version__, SUPPORTED_PADDLE):
-        return None
-    return (f"paddle_hybrid.timeline: the recording hooks are written for Paddle "
-            f"{describe_versions(SUPPORTED_PADDLE)}, found {paddle.__version__}")
+__all__ = ["enable", "disable", "is_enabled", "events", "finish", "skip_reason", "apply", "RECORDER",
+           "VERIFIED_PADDLE", "SWITCH"]
 
 
 def enable() -> None:
     """Start recording every following ``train_batch`` of a fleet pipeline model."""
-    problem = _unverified_paddle()
-    if problem:
-        raise RuntimeError(problem + "; not recording.")
+    from .._install import is_verified
+
+    ok, message = is_verified(__name__)
+    if not ok:
+        raise RuntimeError(message.replace("skipped", "not recording"))
     install_hooks()
 
 
@@ -64,19 +51,17 @@ def events() -> list:
 
 # -- the plugin component: PluginConfig.timeline turns recording on at import --------------
 
-def install(config) -> None:
-    if not config.timeline:
-        return
-    problem = _unverified_paddle()
-    if problem:  # asked for at import: warn, never break ``import paddle_hybrid``
-        warnings.warn(problem + "; not recording (PADDLE_HYBRID_TIMELINE=0 silences this).", RuntimeWarning,
-                      stacklevel=2)
-        return
-    enable()
+VERIFIED_PADDLE = ("3.3.",)
+SWITCH = "PADDLE_HYBRID_TIMELINE=0 (PluginConfig(timeline=False))"
 
 
-def uninstall() -> None:
-    disable()
+def skip_reason(config):
+    return None if config.timeline else "off (PADDLE_HYBRID_TIMELINE=1 or timeline.enable() records)"
+
+
+def apply(config, patcher) -> None:
+    install_hooks()
+    patcher.on_revert(remove_hooks, "timeline recording hooks")
 
 
 # -- gathering ---------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_pipeline_layer_groups_runs_and_keeps_shared_and_callables_eager():
 def test_uninstall_restores_paddle_and_install_again():
     pp = pp_layers()
     config = paddle_hybrid.current_config()
-    pipeline.uninstall()
+    paddle_hybrid.uninstall_component("cuda_graph.pipeline")
     try:
         from paddle.device.cuda import cuda_graphed_layer
 
@@ -71,7 +71,7 @@ def test_uninstall_restores_paddle_and_install_again():
         assert not getattr(pp.PipelineLayer._build_layer_impl, "__paddle_hybrid__", False)
         assert not pipeline.is_active()
     finally:
-        pipeline.install(config)
+        paddle_hybrid.install_component("cuda_graph.pipeline", config)
     assert getattr(pp.CUDAGraphedLayer, "__paddle_hybrid__", False)
     assert getattr(pp.PipelineLayer._build_layer_impl, "__paddle_hybrid__", False)
 
@@ -80,16 +80,16 @@ def test_config_off_leaves_paddle_alone_and_malloc_async_flag_is_set_and_restore
     pp = pp_layers()
     config = paddle_hybrid.current_config()
     before = paddle.get_flags([FLAG])[FLAG]
-    pipeline.uninstall()
+    paddle_hybrid.uninstall_component("cuda_graph.pipeline")
     try:
-        pipeline.install(PluginConfig(pipeline_cudagraph=False, cuda_malloc_async=True))
+        paddle_hybrid.install_component("cuda_graph.pipeline", PluginConfig(pipeline_cudagraph=False, cuda_malloc_async=True))
         assert not getattr(pp.CUDAGraphedLayer, "__paddle_hybrid__", False)
         assert paddle.get_flags([FLAG])[FLAG] is True
-        pipeline.uninstall()
+        paddle_hybrid.uninstall_component("cuda_graph.pipeline")
         assert paddle.get_flags([FLAG])[FLAG] == before
     finally:
-        pipeline.uninstall()
-        pipeline.install(config)
+        paddle_hybrid.uninstall_component("cuda_graph.pipeline")
+        paddle_hybrid.install_component("cuda_graph.pipeline", config)
 
 
 def test_config_fields_validated_and_read_from_env(monkeypatch):

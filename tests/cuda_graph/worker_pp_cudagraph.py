@@ -137,11 +137,11 @@ def main(argv=None):
         # PADDLE_DEBUG_CUDAGRAPHEDLAYER_FALLBACK_TO_DEFAULT=1 does on CPU).
         from paddle_hybrid.cuda_graph import pipeline
 
-        pipeline.uninstall()
+        paddle_hybrid.uninstall_component("cuda_graph.pipeline")
         try:
             out["upstream"] = run_upstream(args, hcg)
         finally:
-            pipeline.install(paddle_hybrid.current_config())
+            paddle_hybrid.install_component("cuda_graph.pipeline", paddle_hybrid.current_config())
 
     from paddle_hybrid.testing import save_result
 

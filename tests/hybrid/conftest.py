@@ -8,8 +8,8 @@ from paddle_hybrid import cpu
 def fresh_plugin():
     """The cpu component alone uninstalled; reinstalled as it was afterwards."""
     was_active = cpu.is_active()
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     yield
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     if was_active:
-        cpu.install(paddle_hybrid.current_config())
+        paddle_hybrid.install_component("cpu", paddle_hybrid.current_config())

@@ -1,9 +1,8 @@
 """In-process tests of paddle_hybrid.cpu: install/uninstall, version and config checks."""
-import warnings
-
 import pytest
 
 import paddle
+import paddle_hybrid
 from paddle_hybrid import PluginConfig
 from paddle_hybrid import cpu
 from paddle_hybrid.cpu import groups
@@ -34,39 +33,39 @@ def _targets():
 def test_install_patches_and_uninstall_restores(fresh_plugin):
     stock = _targets()
     assert stock["device_id"] is False and not cpu.is_active()
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     patched = _targets()
     assert patched["device_id"] is True
     for k in ("new_pg_impl", "hcg_init", "p2p_ops", "batched", "send_meta", "recv_meta"):
         assert patched[k] is not stock[k], k
     assert paddle.distributed.ParallelEnv()._device_id == 0
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     assert _targets() == stock
     assert not cpu.is_active()
 
 
 def test_off_and_auto_on_cpu_build(fresh_plugin):
     stock = _targets()
-    cpu.install(PluginConfig(cpu_hybrid="off"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="off"))
     assert _targets() == stock
-    cpu.uninstall()
-    cpu.install(PluginConfig(cpu_hybrid="auto"))
+    paddle_hybrid.uninstall_component("cpu")
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="auto"))
     assert cpu.is_active() == (not paddle.is_compiled_with_cuda())
 
 
 def test_unexpected_paddle_version(fresh_plugin, monkeypatch):
+    """An unverified Paddle: skipped with a warning naming the version and the switch; forced
+    with PluginConfig(force_unverified=("cpu",))."""
     stock = _targets()
     monkeypatch.setattr(paddle, "__version__", "9.9.0")
-    with pytest.raises(RuntimeError, match="written for Paddle 3.3.x, found 9.9.0"):
-        cpu.install(PluginConfig(cpu_hybrid="on"))
-    cpu.uninstall()
+    with pytest.warns(RuntimeWarning, match=r"verified on Paddle 3\.3\.x, this is 9\.9\.0; skipped\. "
+                                            r"Set PADDLE_HYBRID_FORCE=cpu"):
+        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    assert state.status == "skipped" and _targets() == stock and not cpu.is_active()
+    state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on", force_unverified=("cpu",)))
+    assert state.status == "active" and cpu.is_active() and _targets() != stock
+    paddle_hybrid.uninstall_component("cpu")
     assert _targets() == stock
-    if not paddle.is_compiled_with_cuda():
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            cpu.install(PluginConfig(cpu_hybrid="auto"))
-        assert any("Not installing" in str(x.message) for x in w)
-        assert _targets() == stock
 
 
 def test_changed_signature_refused_before_any_change(fresh_plugin, monkeypatch):
@@ -74,7 +73,7 @@ def test_changed_signature_refused_before_any_change(fresh_plugin, monkeypatch):
     monkeypatch.setattr(p2p, "_p2p_ops", lambda a, b: None)
     stock = _targets()
     with pytest.raises(cpu.PatchSignatureError, match="_p2p_ops has parameters"):
-        cpu.install(PluginConfig(cpu_hybrid="on"))
+        paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     # concerns applied before p2p (device, groups) were rolled back too
     assert _targets() == stock and not cpu.is_active()
 
@@ -112,12 +111,12 @@ def test_every_patched_attribute_is_restored(fresh_plugin):
     def value(owner, name):
         return vars(owner).get(name, "<missing>") if isinstance(owner, type) else getattr(owner, name, "<missing>")
 
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     targets = cpu.patched()
     assert len(targets) >= 25, targets  # device, groups, p2p, collectives, tp, sharding, recompute, timers, vp
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     stock = [value(owner, name) for owner, name in targets]
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     assert all(value(o, n) is not s for (o, n), s in zip(targets, stock))
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     assert all(value(o, n) is s for (o, n), s in zip(targets, stock))

@@ -48,7 +48,7 @@ def plugin_off():
     config = paddle_hybrid.current_config()
     paddle_hybrid.uninstall()
     yield
-    fleet_fixes.uninstall()
+    paddle_hybrid.uninstall_component("fleet_fixes")
     paddle_hybrid.install(config)
 
 
@@ -67,9 +67,9 @@ def test_install_and_uninstall_restore(plugin_off):
         return [vars(owner).get(name) for owner, name in targets]
 
     stock = current()
-    fleet_fixes.install(PluginConfig(fleet_fixes=False))
+    paddle_hybrid.install_component("fleet_fixes", PluginConfig(fleet_fixes=False))
     assert current() == stock
-    fleet_fixes.install(PluginConfig())
+    paddle_hybrid.install_component("fleet_fixes", PluginConfig())
     assert all(now is not before for now, before in zip(current(), stock))
-    fleet_fixes.uninstall()
+    paddle_hybrid.uninstall_component("fleet_fixes")
     assert current() == stock and not fleet_fixes.is_active()

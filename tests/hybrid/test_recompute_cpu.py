@@ -29,6 +29,7 @@ import pytest
 
 import paddle
 import paddle.nn.functional as F
+import paddle_hybrid
 from paddle_hybrid import PluginConfig, cpu
 from paddle_hybrid.testing import launch
 
@@ -167,7 +168,7 @@ def test_stock_hybrid_recompute_refuses_cpu(fresh_plugin, tracker):
     x.stop_gradient = False
     with pytest.raises(AssertionError, match="Recompute with RNG is not support current device: cpu"):
         recompute_hybrid({"mp_group": _OneRank()}, paddle.nn.Linear(6, 6), x * 1.0)
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     recompute_hybrid({"mp_group": _OneRank()}, paddle.nn.Linear(6, 6), x * 1.0).sum().backward()
 
 
@@ -178,12 +179,12 @@ def test_uninstall_restores_recompute_patches(fresh_plugin):
         return {"forward": fn_cls.__dict__["forward"], "merge": hybrid_mod._merge_activation}
 
     stock = current()
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     patched = current()
     for k in stock:
         assert patched[k] is not stock[k], k
     assert (fn_cls, "forward") in cpu.patched() and (hybrid_mod, "_merge_activation") in cpu.patched()
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     after = current()
     for k in stock:
         assert after[k] is stock[k], k

@@ -169,11 +169,11 @@ def fresh_cpu_patches():
     from paddle_hybrid import cpu
 
     was_active = cpu.is_active()
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     yield cpu
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     if was_active:
-        cpu.install(paddle_hybrid.current_config())
+        paddle_hybrid.install_component("cpu", paddle_hybrid.current_config())
 
 
 def test_uninstall_restores_every_sharding_attribute(fresh_cpu_patches):
@@ -185,7 +185,7 @@ def test_uninstall_restores_every_sharding_attribute(fresh_cpu_patches):
     cpu = fresh_cpu_patches
     stock = _targets()
     assert "cpu" not in stock[next(k for k in stock if k[1] == "alignment")]
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     patched = _targets()
     for key, value in patched.items():
         assert value is not stock[key], key
@@ -200,7 +200,7 @@ def test_uninstall_restores_every_sharding_attribute(fresh_cpu_patches):
             assert view.Tensor is paddle.Tensor and view.get_device() in ("cpu", "cpu:0")
         elif name == "core":
             assert view.CPUPlace is core.CPUPlace and view.is_compiled_with_cuda()
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     restored = _targets()
     for key, value in stock.items():
         assert restored[key] is value, key

@@ -18,6 +18,7 @@ import time
 import pytest
 
 import paddle
+import paddle_hybrid
 from paddle_hybrid import PluginConfig, cpu
 from paddle_hybrid.testing import launch
 
@@ -54,12 +55,12 @@ def test_uninstall_restores_timer_patches(fresh_plugin):
         return {n: timer_helper._Timer.__dict__[n] for n in ("start", "stop")}
 
     stock = current()
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     patched = current()
     for k in stock:
         assert patched[k] is not stock[k], k
         assert (timer_helper._Timer, k) in cpu.patched()
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     assert current() == stock
 
 

@@ -85,7 +85,7 @@ def test_check_sanity_patched_and_uninstall_restores(fresh_plugin):
         with pytest.raises(AssertionError, match=STOCK_MSG):
             c._check_sanity(_fake(2, 8))
 
-    cpu.install(PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     assert (interleave, "_check_sanity") in cpu.patched() and (fthenb, "_check_sanity") in cpu.patched()
     for c in stock:
         assert vars(c)["_check_sanity"] is not stock[c]
@@ -98,7 +98,7 @@ def test_check_sanity_patched_and_uninstall_restores(fresh_plugin):
         interleave._check_sanity(_fake(3, 5))  # pp > 2: Paddle's own checks and messages
     interleave._check_sanity(_fake(3, 6))
 
-    cpu.uninstall()
+    paddle_hybrid.uninstall_component("cpu")
     assert {c: vars(c)["_check_sanity"] for c in stock} == stock
 
 

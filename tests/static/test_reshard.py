@@ -39,17 +39,17 @@ def plugin_reshard():
     was = reshard_patch.is_installed()
     yield
     if reshard_patch.is_installed() and not was:
-        reshard_patch.uninstall()
+        paddle_hybrid.uninstall_component("passes.reshard")
     elif was and not reshard_patch.is_installed():
-        reshard_patch.install(PluginConfig())
+        paddle_hybrid.install_component("passes.reshard", PluginConfig())
 
 
 def _resharded(rank, installed, **kw):
     if installed:
-        reshard_patch.install(PluginConfig())
+        paddle_hybrid.install_component("passes.reshard", PluginConfig())
         assert reshard_patch.is_installed()
     else:
-        reshard_patch.uninstall()
+        paddle_hybrid.uninstall_component("passes.reshard")
         assert not reshard_patch.is_installed()
     with paddle.pir_utils.OldIrGuard():
         main, startup, ctx, pg = build_auto_parallel_program(rank, **kw)
@@ -93,7 +93,7 @@ def test_identical_program_and_fewer_syncs(plugin_reshard, dp, mp, pp, layers, r
 def test_uninstall_restores_stock(plugin_reshard):
     from paddle.distributed.auto_parallel.static.reshard import Resharder
 
-    reshard_patch.uninstall()
+    paddle_hybrid.uninstall_component("passes.reshard")
     assert not hasattr(Resharder.reshard, "__paddle_hybrid_original__")
     with paddle.pir_utils.OldIrGuard():
         main, startup, ctx, pg = build_auto_parallel_program(0, mp=2, pp=2, layers=2)
@@ -101,13 +101,13 @@ def test_uninstall_restores_stock(plugin_reshard):
             run_reshard(0, main, startup, ctx, pg)
     inserted = sum(op.type in ("send_v2", "recv_v2") for op in main.global_block().ops)
     assert inserted > 0 and syncs.total > inserted  # stock: a sync per insert
-    reshard_patch.install(PluginConfig())
+    paddle_hybrid.install_component("passes.reshard", PluginConfig())
     assert Resharder.reshard.__paddle_hybrid_original__ is not None
 
 
 def test_config_switch_off(plugin_reshard):
-    reshard_patch.uninstall()
-    reshard_patch.install(dataclasses.replace(PluginConfig(), reshard_deferred_sync=False))
+    paddle_hybrid.uninstall_component("passes.reshard")
+    paddle_hybrid.install_component("passes.reshard", dataclasses.replace(PluginConfig(), reshard_deferred_sync=False))
     assert not reshard_patch.is_installed()
 
 
@@ -120,11 +120,11 @@ def test_env_switch(monkeypatch):
 
 
 def test_refuses_other_paddle_source(plugin_reshard, monkeypatch):
-    reshard_patch.uninstall()
+    paddle_hybrid.uninstall_component("passes.reshard")
     key = "paddle.distributed.auto_parallel.static.reshard"
     monkeypatch.setitem(reshard_patch.EXPECTED_SOURCES, key, "0" * 64)
     with pytest.warns(reshard_patch.ReshardPatchWarning, match="NOT installed.*reshard.*3.3.1"):
-        reshard_patch.install(PluginConfig())
+        paddle_hybrid.install_component("passes.reshard", PluginConfig())
     assert not reshard_patch.is_installed()
     assert reshard_patch.source_mismatches() == [key]
 

@@ -1,5 +1,6 @@
 """The timeline is off by default, turned on by the config / environment or enable(), and
 removes every hook when turned off."""
+import paddle_hybrid
 from paddle_hybrid import PluginConfig, timeline
 
 
@@ -21,11 +22,11 @@ def test_off_by_default_on_by_config_and_env(monkeypatch):
     assert PluginConfig().timeline is False and not timeline.is_enabled()
     stock = _targets()
     try:
-        timeline.install(PluginConfig(timeline=True))
+        paddle_hybrid.install_component("timeline", PluginConfig(timeline=True))
         assert timeline.is_enabled()
         assert all(now is not before for now, before in zip(_targets(), stock))
     finally:
-        timeline.uninstall()
+        paddle_hybrid.uninstall_component("timeline")
     assert _targets() == stock and not timeline.is_enabled()
     monkeypatch.setenv("PADDLE_HYBRID_TIMELINE", "1")
     assert PluginConfig.from_env().timeline is True
@@ -54,10 +55,16 @@ def test_unverified_paddle_refused(monkeypatch):
     import pytest
 
     monkeypatch.setattr(paddle, "__version__", "9.9.0")
-    with pytest.raises(RuntimeError, match="written for Paddle 3.3.x, found 9.9.0"):
+    with pytest.raises(RuntimeError, match="verified on Paddle 3.3.x, this is 9.9.0; not recording"):
         timeline.enable()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        timeline.install(PluginConfig(timeline=True))
-    assert any("not recording" in str(w.message) for w in caught)
+        state = paddle_hybrid.install_component("timeline", PluginConfig(timeline=True))
+    assert any("9.9.0; skipped. Set PADDLE_HYBRID_FORCE=timeline" in str(w.message) for w in caught)
+    assert state.status == "skipped" and not timeline.is_enabled()
+    state = paddle_hybrid.install_component("timeline", PluginConfig(timeline=True, force_unverified=("timeline",)))
+    try:
+        assert state.status == "active" and timeline.is_enabled()
+    finally:
+        paddle_hybrid.uninstall_component("timeline")
     assert not timeline.is_enabled()
