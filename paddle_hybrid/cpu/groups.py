@@ -11,7 +11,9 @@ pipeline neighbours.
    an *earlier* group.  The window lies inside one C++ call, so barriers and retries
    cannot close it.  Patch: ``collective._new_process_group_impl`` gives every new gloo
    group its own TCPStore, hosted by the group's rank 0, whose address is published on the
-   global store under a key unique to the group id.
+   global store under a key unique to the group id.  The port stays reserved from the moment
+   it is picked until the store listens on it (no window for another process to take it),
+   and a group's store is released once the group is destroyed.
 2. Gloo tags every operation with one counter per group, so p2p with two different peers
    in one pipeline group desynchronises the tags (PP >= 3 hangs).  Patch:
    ``HybridCommunicateGroup.__init__`` also creates one 2-rank group per pair of ring
@@ -20,28 +22,46 @@ pipeline neighbours.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
 
-__all__ = ["apply", "pair_group", "pair_list", "group_stores", "PAIR_GROUPS_ATTR"]
+__all__ = ["apply", "pair_group", "pair_list", "group_stores", "reserved_port", "PAIR_GROUPS_ATTR"]
 
 # Attribute of HybridCommunicateGroup holding {peer global rank: 2-rank Group}.
 PAIR_GROUPS_ATTR = "_ph_p2p_pair_groups"
 
 _STORE_KEY = "paddle_hybrid/gloo_group_store/{}"
-# The per-group stores (and the servers hosted by rank 0) must outlive their groups.
-group_stores: list = []
+# group id -> its private store (and the server rank 0 hosts): kept while the group lives,
+# released at the next group creation after ``destroy_process_group`` removed it.
+group_stores: dict = {}
 
 
 # ---------------------------------------------------------------------------
 # 1. one rendezvous store per gloo group
 # ---------------------------------------------------------------------------
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def reserved_port():
+    """A free port, held until the ``with`` block ends.
+
+    Picking a port by binding to 0 and closing the socket leaves a window in which another
+    process can take the port before the store binds it.  The socket stays bound (with
+    SO_REUSEADDR, not listening) while the store binds the same port (Paddle's store listens
+    with SO_REUSEADDR, which Linux allows beside a bound, non-listening socket); the kernel
+    hands the port to no one else meanwhile."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
+
+
+def _release_destroyed_group_stores() -> None:
+    from paddle.distributed.communication.group import _GroupManager
+
+    for gid in [g for g in group_stores if g not in _GroupManager.group_map_by_id]:
+        del group_stores[gid]
 
 
 def _group_store(store, rank, world_size, group_id):
@@ -51,14 +71,13 @@ def _group_store(store, rank, world_size, group_id):
     key = _STORE_KEY.format(group_id)
     if rank == 0:
         host = os.getenv("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0] or "127.0.0.1"
-        port = _free_port()
-        store.set(key, f"{host}:{port}")
-        private = core.TCPStore(host, port, True, world_size, timeout)
+        with reserved_port() as port:
+            store.set(key, f"{host}:{port}")
+            private = core.TCPStore(host, port, True, world_size, timeout)  # returns once all joined
     else:
         store.wait(key)
         host, port = store.get(key).decode().rsplit(":", 1)
         private = core.TCPStore(host, int(port), False, world_size, timeout)
-    group_stores.append(private)
     return private
 
 
@@ -67,7 +86,9 @@ def _make_new_pg_impl(orig_impl):
     def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options,
                                 group_id=0, *args, **kwargs):
         if backend == "gloo" and group_id != 0 and world_size > 1 and store is not None:
+            _release_destroyed_group_stores()
             store = _group_store(store, rank, world_size, group_id)
+            group_stores[group_id] = store
         return orig_impl(backend, store, rank, world_size, group_name, pg_options, group_id,
                          *args, **kwargs)
 
