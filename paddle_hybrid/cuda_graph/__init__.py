@@ -1,6 +1,14 @@
-"""CUDA graphs for pipeline stages: :class:`CUDAGraphedLayer`, its shared
-:class:`GraphPool`, two backends (CUDA, eager emulation) and the
-``PipelineLayer(use_cudagraph=True)`` integration (:mod:`.pipeline`)."""
+"""CUDA graphs for pipeline stages.
+
+* :mod:`.graphed_layer`: :class:`CUDAGraphedLayer`, the capture phases;
+* :mod:`.pool`: :class:`GraphPool`, what the graphed layers of one model share;
+* :mod:`.state`: signatures, graph pairs, microbatches in flight;
+* :mod:`.pytree`: nested inputs and outputs as flat tensor lists and back;
+* :mod:`.rng`: the random state warmup must leave alone;
+* :mod:`.backends`: capture and replay (CUDA, eager emulation);
+* :mod:`.errors`: the errors of misuse;
+* :mod:`.pipeline`: the ``PipelineLayer(use_cudagraph=True)`` integration.
+"""
 from .backends import (
     CudaGraphBackend,
     EagerEmulationBackend,
@@ -8,14 +16,9 @@ from .backends import (
     cuda_graphs_available,
     resolve_backend,
 )
-from .graphed_layer import (
-    CUDAGraphedLayer,
-    CudaGraphError,
-    GraphOrderError,
-    GraphPool,
-    SignatureChangeError,
-    StaticBufferReuseError,
-)
+from .errors import CudaGraphError, GraphOrderError, SignatureChangeError, StaticBufferReuseError
+from .graphed_layer import CUDAGraphedLayer
+from .pool import GraphPool
 
 __all__ = [
     "CUDAGraphedLayer",

@@ -11,8 +11,8 @@ How it differs from ``paddle.device.cuda.cuda_graphed_layer.CUDAGraphedLayer``
 * A backward finds its microbatch through the autograd context, not by FIFO
   order, and releases it: the queue holds only microbatches in flight.
 * Any number of outputs (nested tuples/lists/dicts of tensors).
-* All graphs of a model share one :class:`GraphPool` (one memory pool) and are
-  captured in the order they run.
+* All graphs of a model share one :class:`~.pool.GraphPool` (one memory
+  pool) and are captured in the order they run.
 
 The model of several microbatches in flight is the one of Transformer Engine's
 ``make_graphed_callables`` (one graph per microbatch position, captured in
@@ -22,273 +22,65 @@ lazily, without a declared order:
 * A *cycle* is the stretch of work between two moments when no microbatch of
   the pool is in flight (a training step on pipeline stage 0; one microbatch
   on the last stage).  The n-th forward of a layer in a cycle uses that
-  layer's graph pair n: fixed inputs, forward graph, fixed output gradients,
-  backward graph.  Pair n is captured the first time it is needed, in run order.
+  layer's graph pair n (:class:`~.state.GraphPair`).  Pair n is captured the
+  first time it is needed, in run order.
 * A pair is reused only after the backward that needs its buffers has run:
   a pair in flight is never refilled (``StaticBufferReuseError``) and a
   backward checks that its pair still holds its microbatch (a generation count).
 * Within a cycle, graphs must replay in the order they were captured; that is
-  what makes one shared memory pool safe (memory a graph freed during its
-  capture may belong to a graph captured later).  A replay out of that order
-  raises ``GraphOrderError`` on both backends.
+  what makes one shared memory pool safe (see :mod:`.pool`).  A replay out of
+  that order raises ``GraphOrderError`` on both backends.
+
+The phases, named as in ``torch.cuda.make_graphed_callables``, but run lazily
+for each pair rather than once up front:
+
+1. *checks*: every check of a forward or backward runs before any static
+   buffer is written, so a refused call leaves the microbatches in flight intact;
+2. *warmup*: eager runs, once per signature, results thrown away;
+3. *capture forward*: the pair's first forward;
+4. *capture backward*: the pair's first backward;
+5. *replay*: every later forward and backward of the pair.
 """
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import paddle
 from paddle.autograd import PyLayer
 
-from .backends import GraphBackend, resolve_backend
+from .errors import CudaGraphError, SignatureChangeError, StaticBufferReuseError
+from .pool import GraphPool
+from .pytree import TreeSpec, flatten, unflatten
+from .rng import RngState
+from .state import GraphPair, Microbatch, Signature
 
-__all__ = [
-    "CUDAGraphedLayer",
-    "GraphPool",
-    "CudaGraphError",
-    "StaticBufferReuseError",
-    "GraphOrderError",
-    "SignatureChangeError",
-]
-
-
-class CudaGraphError(RuntimeError):
-    """Misuse of a graphed layer."""
-
-
-class StaticBufferReuseError(CudaGraphError):
-    """A graph's static buffers would be (or were) refilled before the backward
-    of the microbatch that owns them."""
-
-
-class GraphOrderError(CudaGraphError):
-    """Graphs sharing a memory pool replayed out of their capture order."""
-
-
-class SignatureChangeError(CudaGraphError):
-    """Inputs changed shape/dtype/structure and re-capture is disabled."""
-
-
-# ---------------------------------------------------------------------------
-# pytrees of tensors
-# ---------------------------------------------------------------------------
-_TENSOR = object()
-
-
-def _flatten(obj, leaves: list):
-    """Return a hashable description of ``obj``'s structure; append tensors to ``leaves``."""
-    if isinstance(obj, paddle.Tensor):
-        leaves.append(obj)
-        return _TENSOR
-    if isinstance(obj, tuple):
-        return ("t", tuple(_flatten(o, leaves) for o in obj))
-    if isinstance(obj, list):
-        return ("l", tuple(_flatten(o, leaves) for o in obj))
-    if isinstance(obj, dict):
-        keys = tuple(obj.keys())
-        return ("d", keys, tuple(_flatten(obj[k], leaves) for k in keys))
-    try:
-        hash(obj)
-        return ("c", obj)
-    except TypeError:
-        return ("c", ("unhashable", type(obj).__name__, id(obj)))
-
-
-def _unflatten(spec, leaves_iter):
-    if spec is _TENSOR:
-        return next(leaves_iter)
-    kind = spec[0]
-    if kind == "t":
-        return tuple(_unflatten(s, leaves_iter) for s in spec[1])
-    if kind == "l":
-        return [_unflatten(s, leaves_iter) for s in spec[1]]
-    if kind == "d":
-        return {k: _unflatten(s, leaves_iter) for k, s in zip(spec[1], spec[2])}
-    value = spec[1]
-    if isinstance(value, tuple) and len(value) == 3 and value[0] == "unhashable":
-        raise CudaGraphError("internal: unhashable constant cannot be rebuilt")
-    return value
-
-
-def _constant_objects(obj, out: dict):
-    """Unhashable non-tensor leaves, by id, so they can be rebuilt by reference."""
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            _constant_objects(o, out)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _constant_objects(o, out)
-    elif not isinstance(obj, paddle.Tensor):
-        try:
-            hash(obj)
-        except TypeError:
-            out[id(obj)] = obj
+__all__ = ["CUDAGraphedLayer"]
 
 
 def _is_float(t: paddle.Tensor) -> bool:
     return t.dtype in (paddle.float16, paddle.float32, paddle.float64, paddle.bfloat16)
 
 
-# ---------------------------------------------------------------------------
-# pool: one per model
-# ---------------------------------------------------------------------------
-class GraphPool:
-    """What all graphed layers of one model share: the backend, its memory
-    pool, the capture order and the count of microbatches in flight.
-
-    ``backend``: "auto", "cuda", "emulation" or a :class:`GraphBackend`.
-    """
-
-    def __init__(self, backend="auto"):
-        self.backend: GraphBackend = resolve_backend(backend)
-        self._pool_handle = None
-        self._pool_made = False
-        self._next_position = itertools.count()
-        self._last_position = -1
-        self.cycle = 0
-        self.in_flight = 0
-        self.layers: List["CUDAGraphedLayer"] = []
-        # Test hook: the order check can be turned off to show what it prevents.
-        self._check_order = True
-
-    @property
-    def handle(self):
-        if not self._pool_made:
-            self._pool_handle = self.backend.new_pool()
-            self._pool_made = True
-        return self._pool_handle
-
-    def capture(self, body) -> Tuple[Any, int]:
-        graph = self.backend.capture(body, self.handle)
-        position = next(self._next_position)
-        self._last_position = position
-        return graph, position
-
-    def check_replay_order(self, position: int, what: str) -> None:
-        if position <= self._last_position and self._check_order:
-            raise GraphOrderError(
-                f"{what} would replay out of capture order in this cycle (captured at "
-                f"position {position}, a graph captured at {self._last_position} already ran). "
-                "Graphs that share one memory pool must replay in the order they were captured, "
-                "so the schedule must be the same every step. If it changed on purpose (other "
-                "number of microbatches or pipeline schedule), call reset() on the pool of the "
-                "model between steps to capture again."
-            )
-        self._last_position = position
-
-    def _started(self) -> None:
-        self.in_flight += 1
-
-    def _finished(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.cycle += 1
-            self._last_position = -1
-
-    def reset(self) -> None:
-        """Drop every graph of every layer and forget the capture order.
-
-        Microbatches still in flight are abandoned (their backward would
-        raise).  The next cycle captures again."""
-        for layer in self.layers:
-            layer._drop_graphs()
-        self._next_position = itertools.count()
-        self._last_position = -1
-        self.in_flight = 0
-        self.cycle += 1
-        self._pool_handle = None
-        self._pool_made = False
-
-
-# ---------------------------------------------------------------------------
-# per-microbatch-position graph pair
-# ---------------------------------------------------------------------------
-class _GraphPair:
-    IDLE = "idle"
-    IN_FLIGHT = "in_flight"
-
-    def __init__(self, index: int, static_inputs: List[paddle.Tensor]):
-        self.index = index
-        self.static_inputs = static_inputs
-        self.fwd = None
-        self.fwd_position = -1
-        self.out_diff: List[int] = []  # positions of differentiable outputs
-        self.static_dys: Optional[List[paddle.Tensor]] = None
-        self.bwd = None
-        self.bwd_position = -1
-        self.state = self.IDLE
-        self.generation = 0
-
-    def reset(self):
-        for g in (self.fwd, self.bwd):
-            if g is not None:
-                g.reset()
-        self.fwd = self.bwd = None
-        self.static_dys = None
-        self.static_inputs = []
-
-
-class _Signature:
-    __slots__ = ("spec", "metas", "params", "key", "constants")
-
-    def __init__(self, spec, metas, params, constants):
-        self.spec = spec
-        self.metas = metas
-        self.params = params
-        self.constants = constants
-        self.key = (spec, metas, tuple(id(p) for p in params))
-
-    def describe(self) -> str:
-        shapes = ", ".join(f"{list(s)}:{d}{'' if sg else ':grad'}" for s, d, sg in self.metas)
-        return f"[{shapes}] with {len(self.params)} trainable parameters"
-
-
-class _Entry:
-    """One microbatch in flight: its pair and the pair's generation at fill."""
-
-    __slots__ = ("seq", "pair", "generation", "sig", "n_inputs", "input_needs_grad", "done")
-
-    def __init__(self, seq, pair, generation, sig, n_inputs, input_needs_grad):
-        self.seq = seq
-        self.pair = pair
-        self.generation = generation
-        self.sig = sig
-        self.n_inputs = n_inputs
-        self.input_needs_grad = input_needs_grad
-        self.done = False
-
-
-def _rng_snapshot():
-    state = paddle.get_rng_state()
-    tracker = None
-    try:
-        from paddle.distributed.fleet.meta_parallel.parallel_layers.random import get_rng_state_tracker
-
-        tracker = get_rng_state_tracker().get_states_tracker()
-    except Exception:  # no fleet RNG tracker in this build
-        tracker = None
-    return state, tracker
-
-
-def _rng_restore(snapshot):
-    state, tracker = snapshot
-    paddle.set_rng_state(state)
-    if tracker is not None:
-        from paddle.distributed.fleet.meta_parallel.parallel_layers.random import get_rng_state_tracker
-
-        get_rng_state_tracker().set_states_tracker(tracker)
+def _check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"CUDAGraphedLayer: {name} must be an int >= {minimum}, got {value!r}.")
 
 
 class _GraphedFunction(PyLayer):
+    """Replay inside an autograd function: autograd sees one op whose inputs
+    are the layer's input tensors and its trainable parameters, so backward
+    runs (and parameters get gradients) even when no input needs a gradient."""
+
     @staticmethod
-    def forward(ctx, owner, call, *tensors):
-        sig, n_leaves, input_needs_grad = call
-        entry, outputs = owner._forward_graphed(sig, list(tensors[:n_leaves]), input_needs_grad)
+    def forward(ctx, owner, sig, *tensors):
+        microbatch, outputs = owner._run_forward(sig, list(tensors[: sig.spec.num_leaves]))
         ctx.owner = owner
-        ctx.entry = entry
+        ctx.microbatch = microbatch
+        # Views of the static outputs: autograd must not take the buffers themselves as its own.
         views = [t.detach() for t in outputs]
-        diff = set(entry.pair.out_diff)
+        diff = set(microbatch.pair.out_diff)
         nondiff = [v for i, v in enumerate(views) if i not in diff]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -296,12 +88,9 @@ class _GraphedFunction(PyLayer):
 
     @staticmethod
     def backward(ctx, *dys):
-        return ctx.owner._backward_graphed(ctx.entry, dys)
+        return ctx.owner._run_backward(ctx.microbatch, dys)
 
 
-# ---------------------------------------------------------------------------
-# the layer
-# ---------------------------------------------------------------------------
 class CUDAGraphedLayer(paddle.nn.Layer):
     """Wrap ``layer`` so its training forward and backward run as captured graphs.
 
@@ -347,12 +136,9 @@ class CUDAGraphedLayer(paddle.nn.Layer):
         super().__init__()
         if not isinstance(layer, paddle.nn.Layer):
             raise TypeError(f"CUDAGraphedLayer: layer must be a paddle.nn.Layer, got {type(layer).__name__}.")
-        if isinstance(num_warmup_steps, bool) or not isinstance(num_warmup_steps, int) or num_warmup_steps < 0:
-            raise ValueError(f"CUDAGraphedLayer: num_warmup_steps must be an int >= 0, got {num_warmup_steps!r}.")
-        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-            raise ValueError(f"CUDAGraphedLayer: max_graphs must be an int >= 1, got {max_graphs!r}.")
-        if isinstance(max_signatures, bool) or not isinstance(max_signatures, int) or max_signatures < 1:
-            raise ValueError(f"CUDAGraphedLayer: max_signatures must be an int >= 1, got {max_signatures!r}.")
+        _check_count("num_warmup_steps", num_warmup_steps, 0)
+        _check_count("max_graphs", max_graphs, 1)
+        _check_count("max_signatures", max_signatures, 1)
         if pool is not None and not isinstance(pool, GraphPool):
             raise TypeError(f"CUDAGraphedLayer: pool must be a GraphPool or None, got {type(pool).__name__}.")
         self.layer = layer
@@ -360,17 +146,14 @@ class CUDAGraphedLayer(paddle.nn.Layer):
         self.max_graphs = max_graphs
         self.recapture = bool(recapture)
         self.max_signatures = max_signatures
-        pool = pool if pool is not None else GraphPool(backend)
-        object.__setattr__(self, "_pool", pool)
-        pool.layers.append(self)
-        self._pairs: Dict[Any, List[_GraphPair]] = OrderedDict()
-        self._counts: Dict[Any, Tuple[int, int]] = {}
-        self._warmed: set = set()
-        self._out_specs: Dict[Any, Any] = {}  # signature key -> output structure
-        self._queue: "OrderedDict[int, _Entry]" = OrderedDict()
+        self._pool = pool if pool is not None else GraphPool(backend)
+        self._pool.layers.append(self)
+        self._pairs: Dict[tuple, List[GraphPair]] = OrderedDict()  # signature key -> pair per position
+        self._counts: Dict[tuple, Tuple[int, int]] = {}  # signature key -> (cycle, forwards in it)
+        self._warmed: set = set()  # signature keys whose warmup ran
+        self._out_specs: Dict[tuple, TreeSpec] = {}  # signature key -> nesting of the outputs
+        self._queue: "OrderedDict[int, Microbatch]" = OrderedDict()
         self._seq = itertools.count()
-        # Test hook: the reuse checks can be turned off to show what they prevent.
-        self._check_reuse = True
 
     # -- introspection ---------------------------------------------------
     @property
@@ -387,237 +170,235 @@ class CUDAGraphedLayer(paddle.nn.Layer):
     def num_signatures(self) -> int:
         return len(self._pairs)
 
+    @property
+    def _name(self) -> str:
+        return f"CUDAGraphedLayer({type(self.layer).__name__})"
+
     def _training_mode(self) -> bool:
         # PipelineLayer (1F1B) registers the wrapped layers, not this wrapper, as
         # its sublayers, so .eval() may reach only them: look at all of them.
         return self.training and all(l.training for l in self.layer.sublayers(include_self=True))
 
-    # -- forward ---------------------------------------------------------
+    # -- entry -------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if not self._training_mode() or not paddle.is_grad_enabled():
             return self.layer(*args, **kwargs)
-        leaves: list = []
-        spec = _flatten((args, kwargs), leaves)
+        leaves, spec = flatten((args, kwargs))
         params = [p for p in self.layer.parameters() if not p.stop_gradient]
-        input_needs_grad = [not t.stop_gradient for t in leaves]
-        if not params and not any(input_needs_grad):
-            return self.layer(*args, **kwargs)
-        constants: dict = {}
-        _constant_objects((args, kwargs), constants)
-        metas = tuple((tuple(t.shape), str(t.dtype), bool(t.stop_gradient)) for t in leaves)
-        sig = _Signature(spec, metas, params, constants)
-        call = (sig, len(leaves), input_needs_grad)
-        out = _GraphedFunction.apply(self, call, *leaves, *params)
+        if not params and all(t.stop_gradient for t in leaves):
+            return self.layer(*args, **kwargs)  # no backward will come to release a pair
+        sig = Signature(spec, leaves, params)
+        out = _GraphedFunction.apply(self, sig, *leaves, *params)
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
-        pair_spec = self._out_specs[sig.key]
-        return _unflatten(pair_spec, iter(flat))
+        return unflatten(self._out_specs[sig.key], flat)
 
-    def _pairs_for(self, sig: _Signature) -> List[_GraphPair]:
+    def _run_forward(self, sig: Signature, leaves: List[paddle.Tensor]):
+        """The forward of one microbatch; its record and the static outputs."""
+        # 1. checks (the order check also records the replay in the pool)
+        pair = self._pair_for_next_forward(sig, leaves)
+        self._check_pair_free(pair)
+        if pair.fwd is not None:
+            self._pool.before_replay(pair.fwd_position, f"forward graph {pair.index} of {self._name}")
+        pair.fill_inputs(leaves)  # only now: a refused call must not touch a pair in flight
+        if pair.fwd is None:
+            if sig.key not in self._warmed:
+                self._warmup(sig, pair)  # 2. warmup
+                self._warmed.add(sig.key)
+            self._capture_forward(sig, pair)  # 3. capture forward
+        else:
+            pair.fwd.replay()  # 5. replay
+        microbatch = Microbatch(next(self._seq), sig, pair, pair.start())
+        self._queue[microbatch.seq] = microbatch
+        self._pool.microbatch_started()
+        return microbatch, pair.fwd.outputs
+
+    def _run_backward(self, microbatch: Microbatch, dys) -> tuple:
+        """The backward of one microbatch: gradients for autograd, one per
+        tensor given to :class:`_GraphedFunction` (inputs, then parameters)."""
+        pair = microbatch.pair
+        # 1. checks
+        self._check_backward(microbatch)
+        if pair.bwd is not None:
+            self._pool.before_replay(pair.bwd_position, f"backward graph {pair.index} of {self._name}")
+        pair.fill_output_grads(dys)
+        if pair.bwd is None:
+            self._capture_backward(microbatch.sig, pair)  # 4. capture backward
+        else:
+            pair.bwd.replay()  # 5. replay
+        grads = self._gradients_for_autograd(microbatch.sig, pair)
+        # Released only after the gradients were copied out of the pair's buffers.
+        microbatch.done = True
+        pair.release()
+        self._queue.pop(microbatch.seq, None)
+        self._pool.microbatch_finished()
+        return grads
+
+    # -- 1. checks ------------------------------------------------------------
+    def _pair_for_next_forward(self, sig: Signature, leaves) -> GraphPair:
+        """Pair n for the n-th forward of this signature in the cycle, made
+        (without graphs) if this is the first cycle with that many forwards."""
+        pairs = self._pairs_for(sig)
+        index = self._position_in_cycle(sig)
+        if index < len(pairs):
+            return pairs[index]
+        if index >= self.max_graphs:
+            raise CudaGraphError(
+                f"{self._name}: {index + 1} microbatches in "
+                f"flight, more than max_graphs={self.max_graphs}. Backward never ran for "
+                f"{self.queue_length()} earlier forwards: run backward for every training "
+                "forward (or call it under paddle.no_grad()/eval()), or raise max_graphs for "
+                "a schedule with more microbatches in flight."
+            )
+        pairs.append(GraphPair.for_inputs(index, leaves))
+        return pairs[index]
+
+    def _pairs_for(self, sig: Signature) -> List[GraphPair]:
         pairs = self._pairs.get(sig.key)
         if pairs is not None:
             return pairs
-        if self._pairs:
-            if not self.recapture:
-                raise SignatureChangeError(
-                    f"CUDAGraphedLayer({type(self.layer).__name__}): inputs changed to "
-                    f"{sig.describe()}; the graphs were captured for another signature and "
-                    "recapture=False. Keep shapes/dtypes fixed (pad batches) or pass recapture=True."
-                )
-            if len(self._pairs) >= self.max_signatures:
-                raise SignatureChangeError(
-                    f"CUDAGraphedLayer({type(self.layer).__name__}): more than "
-                    f"max_signatures={self.max_signatures} input signatures; the latest is "
-                    f"{sig.describe()}. Shapes that change every step defeat graph capture: "
-                    "pad to a few fixed shapes or raise max_signatures."
-                )
-        pairs = []
-        self._pairs[sig.key] = pairs
-        return pairs
+        if self._pairs and not self.recapture:
+            raise SignatureChangeError(
+                f"{self._name}: inputs changed to "
+                f"{sig.describe()}; the graphs were captured for another signature and "
+                "recapture=False. Keep shapes/dtypes fixed (pad batches) or pass recapture=True."
+            )
+        if len(self._pairs) >= self.max_signatures:
+            raise SignatureChangeError(
+                f"{self._name}: more than "
+                f"max_signatures={self.max_signatures} input signatures; the latest is "
+                f"{sig.describe()}. Shapes that change every step defeat graph capture: "
+                "pad to a few fixed shapes or raise max_signatures."
+            )
+        return self._pairs.setdefault(sig.key, [])
 
-    def _next_index(self, sig: _Signature) -> int:
+    def _position_in_cycle(self, sig: Signature) -> int:
+        """How many forwards of this signature ran before this one in the pool's cycle."""
         cycle, count = self._counts.get(sig.key, (self._pool.cycle, 0))
         if cycle != self._pool.cycle:
             count = 0
         self._counts[sig.key] = (self._pool.cycle, count + 1)
         return count
 
-    def _rebuild_args(self, sig: _Signature, tensors):
-        it = iter(tensors)
-
-        def rebuild(spec):
-            if spec is _TENSOR:
-                return next(it)
-            kind = spec[0]
-            if kind == "t":
-                return tuple(rebuild(s) for s in spec[1])
-            if kind == "l":
-                return [rebuild(s) for s in spec[1]]
-            if kind == "d":
-                return {k: rebuild(s) for k, s in zip(spec[1], spec[2])}
-            value = spec[1]
-            if isinstance(value, tuple) and len(value) == 3 and value[0] == "unhashable":
-                return sig.constants[value[2]]
-            return value
-
-        args, kwargs = rebuild(sig.spec)
-        return args, kwargs
-
-    def _run_layer(self, sig, static_inputs):
-        args, kwargs = self._rebuild_args(sig, static_inputs)
-        with paddle.enable_grad():
-            out = self.layer(*args, **kwargs)
-        flat: list = []
-        out_spec = _flatten(out, flat)
-        return out_spec, flat
-
-    def _grad_targets(self, sig, pair):
-        inputs = [t for t in pair.static_inputs if not t.stop_gradient]
-        return inputs + list(sig.params)
-
-    def _warmup(self, sig, pair):
-        if self.num_warmup_steps == 0:
-            return
-        rng = _rng_snapshot()
-        buffers = [(b, b.detach().clone()) for b in self.layer.buffers() if b is not None]
-        try:
-            for _ in range(self.num_warmup_steps):
-                _, flat = self._run_layer(sig, pair.static_inputs)
-                roots = [t for t in flat if _is_float(t) and not t.stop_gradient]
-                if roots:
-                    paddle.grad(roots, self._grad_targets(sig, pair),
-                                grad_outputs=[paddle.ones_like(r) for r in roots], allow_unused=True)
-                del flat, roots
-        finally:
-            _rng_restore(rng)
-            with paddle.no_grad():
-                for b, saved in buffers:
-                    paddle.assign(saved, output=b)
-
-    def _forward_graphed(self, sig, leaves, input_needs_grad):
-        pairs = self._pairs_for(sig)
-        index = self._next_index(sig)
-        if index >= len(pairs):
-            if index >= self.max_graphs:
-                raise CudaGraphError(
-                    f"CUDAGraphedLayer({type(self.layer).__name__}): {index + 1} microbatches in "
-                    f"flight, more than max_graphs={self.max_graphs}. Backward never ran for "
-                    f"{self.queue_length()} earlier forwards: run backward for every training "
-                    "forward (or call it under paddle.no_grad()/eval()), or raise max_graphs for "
-                    "a schedule with more microbatches in flight."
-                )
-            with paddle.no_grad():
-                statics = []
-                for t in leaves:
-                    s = paddle.empty(t.shape, dtype=t.dtype)
-                    s.stop_gradient = t.stop_gradient
-                    statics.append(s)
-            pairs.append(_GraphPair(index, statics))
-        pair = pairs[index]
-        if pair.state == _GraphPair.IN_FLIGHT and self._check_reuse:
+    def _check_pair_free(self, pair: GraphPair) -> None:
+        if pair.in_flight:
             raise StaticBufferReuseError(
-                f"CUDAGraphedLayer({type(self.layer).__name__}): graph pair {index} still holds a "
+                f"{self._name}: graph pair {pair.index} still holds a "
                 "microbatch whose backward has not run; refilling its static buffers now would "
                 "give that backward another microbatch's data."
             )
-        if pair.fwd is not None:  # every check before any buffer is touched
-            self._pool.check_replay_order(pair.fwd_position, f"forward graph {index} of {type(self.layer).__name__}")
-        with paddle.no_grad():
-            for s, t in zip(pair.static_inputs, leaves):
-                paddle.assign(t.detach(), output=s)
-        if pair.fwd is None:
-            if sig.key not in self._warmed:
-                self._warmup(sig, pair)
-                self._warmed.add(sig.key)
-            holder = {}
 
-            def body():
-                spec, flat = self._run_layer(sig, pair.static_inputs)
-                holder["spec"] = spec
-                for t in flat:
-                    if not isinstance(t, paddle.Tensor):
-                        raise CudaGraphError("internal: non-tensor output leaf")
-                return flat
-
-            pair.fwd, pair.fwd_position = self._pool.capture(body)
-            self._out_specs[sig.key] = holder["spec"]
-            outs = pair.fwd.autograd_outputs()
-            pair.out_diff = [i for i, t in enumerate(outs) if _is_float(t) and not t.stop_gradient]
-        else:
-            pair.fwd.replay()
-        pair.state = _GraphPair.IN_FLIGHT
-        pair.generation += 1
-        entry = _Entry(next(self._seq), pair, pair.generation, sig, len(leaves), input_needs_grad)
-        self._queue[entry.seq] = entry
-        self._pool._started()
-        return entry, pair.fwd.outputs
-
-    # -- backward --------------------------------------------------------
-    def _backward_graphed(self, entry: _Entry, dys):
-        pair = entry.pair
-        name = type(self.layer).__name__
-        if entry.done:
-            raise CudaGraphError(f"CUDAGraphedLayer({name}): backward ran twice for one microbatch.")
-        if self._check_reuse and (pair.generation != entry.generation or pair.state != _GraphPair.IN_FLIGHT):
-            raise StaticBufferReuseError(
-                f"CUDAGraphedLayer({name}): the static buffers of graph pair {pair.index} were refilled "
-                f"by another microbatch (generation {pair.generation}, this one {entry.generation}) "
-                "before this backward ran; its gradients would be those of the other microbatch."
-            )
-        if pair.fwd is None:
+    def _check_backward(self, microbatch: Microbatch) -> None:
+        if microbatch.done:
+            raise CudaGraphError(f"{self._name}: backward ran twice for one microbatch.")
+        self._check_pair_holds(microbatch)
+        if microbatch.pair.fwd is None:
             raise CudaGraphError(
-                f"CUDAGraphedLayer({name}): backward of a microbatch whose graphs were dropped "
+                f"{self._name}: backward of a microbatch whose graphs were dropped "
                 "(GraphPool.reset() while it was in flight)."
             )
-        sig = entry.sig
-        diff = pair.out_diff
-        if pair.bwd is not None:
-            self._pool.check_replay_order(pair.bwd_position, f"backward graph {pair.index} of {name}")
-        with paddle.no_grad():
-            if pair.static_dys is None:
-                pair.static_dys = [paddle.zeros(pair.fwd.outputs[i].shape, dtype=pair.fwd.outputs[i].dtype)
-                                   for i in diff]
-            for s, i in zip(pair.static_dys, diff):
-                dy = dys[i] if i < len(dys) else None
-                if dy is None:
-                    s.zero_()
-                else:
-                    paddle.assign(dy.detach(), output=s)
-        if pair.bwd is None:
-            targets = self._grad_targets(sig, pair)
 
-            def body():
-                outs = pair.fwd.autograd_outputs()
-                roots = [outs[i] for i in diff]
-                grads = paddle.grad(roots, targets, grad_outputs=pair.static_dys, allow_unused=True)
-                return list(grads)
+    def _check_pair_holds(self, microbatch: Microbatch) -> None:
+        pair = microbatch.pair
+        if not pair.holds(microbatch.generation):
+            raise StaticBufferReuseError(
+                f"{self._name}: the static buffers of graph pair {pair.index} were refilled "
+                f"by another microbatch (generation {pair.generation}, this one {microbatch.generation}) "
+                "before this backward ran; its gradients would be those of the other microbatch."
+            )
 
-            pair.bwd, pair.bwd_position = self._pool.capture(body)
-        else:
-            pair.bwd.replay()
+    # -- 2. warmup ------------------------------------------------------------
+    def _warmup(self, sig: Signature, pair: GraphPair) -> None:
+        """Eager forward+backward runs on the pair's static inputs, so lazy
+        initialisation happens before capture, not inside it.  Whatever they
+        change that a plain step would not is put back: the layer's buffers
+        (e.g. BatchNorm statistics) and the random state (dropout)."""
+        if self.num_warmup_steps == 0:
+            return
+        rng = RngState()
+        buffers = [(b, b.detach().clone()) for b in self.layer.buffers() if b is not None]
+        try:
+            for _ in range(self.num_warmup_steps):
+                self._warmup_once(sig, pair)
+        finally:
+            try:
+                with paddle.no_grad():
+                    for b, saved in buffers:
+                        paddle.assign(saved, output=b)
+            finally:  # the random state even if a buffer could not be put back
+                rng.restore()
+
+    def _warmup_once(self, sig: Signature, pair: GraphPair) -> None:
+        flat, _ = self._call_layer(sig, pair.static_inputs)
+        roots = [t for t in flat if _is_float(t) and not t.stop_gradient]
+        if roots:
+            # paddle.grad, not backward(): parameters' .grad must stay as they are.
+            paddle.grad(roots, self._grad_targets(sig, pair),
+                        grad_outputs=[paddle.ones_like(r) for r in roots], allow_unused=True)
+
+    def _call_layer(self, sig: Signature, static_inputs) -> Tuple[List[paddle.Tensor], TreeSpec]:
+        """Run the layer on the static inputs, rebuilt into the call's nesting."""
+        args, kwargs = unflatten(sig.spec, static_inputs)
+        # The autograd function's forward runs under no_grad; the capture
+        # needs the layer's autograd graph for the backward graph.
+        with paddle.enable_grad():
+            out = self.layer(*args, **kwargs)
+        return flatten(out)
+
+    def _grad_targets(self, sig: Signature, pair: GraphPair) -> List[paddle.Tensor]:
+        """What the backward graph differentiates for: inputs that need a gradient, then parameters."""
+        return [t for t in pair.static_inputs if not t.stop_gradient] + list(sig.params)
+
+    # -- 3. capture forward -----------------------------------------------
+    def _capture_forward(self, sig: Signature, pair: GraphPair) -> None:
+        def body():
+            flat, out_spec = self._call_layer(sig, pair.static_inputs)
+            if out_spec.refs:
+                kinds = sorted({type(v).__name__ for v in out_spec.refs.values()})
+                raise CudaGraphError(
+                    f"{self._name}: the layer returned {', '.join(kinds)}, neither a tensor nor a "
+                    "hashable constant; a graph can only give back tensors (and constants fixed at capture)."
+                )
+            self._out_specs[sig.key] = out_spec
+            return flat
+
+        pair.fwd, pair.fwd_position = self._pool.capture(body)
+        outs = pair.fwd.autograd_outputs()
+        pair.out_diff = [i for i, t in enumerate(outs) if _is_float(t) and not t.stop_gradient]
+
+    # -- 4. capture backward ----------------------------------------------
+    def _capture_backward(self, sig: Signature, pair: GraphPair) -> None:
+        targets = self._grad_targets(sig, pair)
+
+        def body():
+            # The forward's autograd graph: on CUDA the captured one; in the
+            # emulation the one of the forward's last replay (see backends).
+            outs = pair.fwd.autograd_outputs()
+            roots = [outs[i] for i in pair.out_diff]
+            return list(paddle.grad(roots, targets, grad_outputs=pair.static_dys, allow_unused=True))
+
+        pair.bwd, pair.bwd_position = self._pool.capture(body)
+
+    # -- 5. replay: what goes back to autograd --------------------------------
+    def _gradients_for_autograd(self, sig: Signature, pair: GraphPair) -> tuple:
         grads = pair.bwd.outputs
-        n_in_grad = sum(1 for t in pair.static_inputs if not t.stop_gradient)
+        n_in_grad = sum(sig.input_needs_grad)
         in_grads = iter(grads[:n_in_grad])
-        param_grads = grads[n_in_grad:]
         result = []
         with paddle.no_grad():
             # Copies: autograd may keep a returned tensor as a parameter's .grad,
             # and the next replay overwrites the fixed buffers.
-            for needs, s in zip(entry.input_needs_grad, pair.static_inputs):
+            for needs, s in zip(sig.input_needs_grad, pair.static_inputs):
                 if not needs:
                     result.append(None)
                     continue
                 g = next(in_grads)
                 result.append(paddle.zeros(s.shape, dtype=s.dtype) if g is None else g.clone())
-            for g in param_grads:
+            for g in grads[n_in_grad:]:
                 result.append(None if g is None else g.clone())
-        entry.done = True
-        pair.state = _GraphPair.IDLE
-        self._queue.pop(entry.seq, None)
-        self._pool._finished()
         return tuple(result)
 
-    # -- reset -----------------------------------------------------------
-    def _drop_graphs(self):
+    # -- reset (GraphPool.reset) -----------------------------------------------
+    def _drop_graphs(self) -> None:
         for pairs in self._pairs.values():
             for p in pairs:
                 p.reset()

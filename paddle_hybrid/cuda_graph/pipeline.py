@@ -50,7 +50,8 @@ def _pp_layers():
 
 
 def _factory(config):
-    from .graphed_layer import CUDAGraphedLayer, GraphPool
+    from .graphed_layer import CUDAGraphedLayer
+    from .pool import GraphPool
 
     def make_graphed_layer(layer):
         pool = getattr(_local, "pool", None)
@@ -67,7 +68,7 @@ def _wrap_build(original):
     def _build_layer_impl(self, start, end):
         if not getattr(self, "use_cudagraph", False):
             return original(self, start, end)
-        from .graphed_layer import GraphPool
+        from .pool import GraphPool
 
         pool = self.__dict__.get("cuda_graph_pool")
         if pool is None:
@@ -84,30 +85,54 @@ def _wrap_build(original):
     return _build_layer_impl
 
 
+def _flag_value(flag: str):
+    import paddle
+
+    try:
+        return paddle.get_flags([flag])[flag]
+    except ValueError as exc:  # what paddle.get_flags raises for a flag this build does not have
+        raise RuntimeError(
+            f"paddle_hybrid: PluginConfig.cuda_malloc_async is set but this Paddle has no {flag} ({exc})."
+        ) from exc
+
+
+def _gpu_memory_allocated(flag: str) -> bool:
+    """Whether the GPU allocator already handed out memory, so setting ``flag`` comes too late.
+
+    No GPU (a CPU build, or no device visible) means no allocator yet: False
+    without asking.  If asking fails, that is reported as a warning naming the
+    call (the flag is still set: it is only the check that could not run)."""
+    import paddle
+
+    if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+        return False
+    try:
+        return paddle.device.cuda.memory_allocated() > 0
+    except Exception as exc:  # reported, not swallowed: the flag works, the check did not
+        warnings.warn(
+            f"paddle_hybrid: could not tell whether GPU memory was already allocated before setting "
+            f"{flag}: paddle.device.cuda.memory_allocated() raised {exc!r}. If GPU tensors exist "
+            "already, the flag has no effect.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+
+
 def _set_malloc_async(config, patcher):
     import paddle
 
     flag = "FLAGS_use_cuda_malloc_async_allocator"
     if not config.cuda_malloc_async:
         return
-    try:
-        before = paddle.get_flags([flag])[flag]
-    except Exception as exc:  # flag unknown to this build
-        raise RuntimeError(
-            f"paddle_hybrid: PluginConfig.cuda_malloc_async is set but this Paddle has no {flag} ({exc})."
-        ) from None
-    if paddle.is_compiled_with_cuda():
-        try:
-            allocated = paddle.device.cuda.memory_allocated() > 0
-        except Exception:
-            allocated = False
-        if allocated:
-            warnings.warn(
-                f"paddle_hybrid: {flag} set after GPU memory was already allocated; Paddle reads it "
-                "once when it builds the GPU allocator, so it may have no effect. Import paddle_hybrid "
-                "before creating any GPU tensor.",
-                stacklevel=3,
-            )
+    before = _flag_value(flag)
+    if _gpu_memory_allocated(flag):
+        warnings.warn(
+            f"paddle_hybrid: {flag} set after GPU memory was already allocated; Paddle reads it "
+            "once when it builds the GPU allocator, so it may have no effect. Import paddle_hybrid "
+            "before creating any GPU tensor.",
+            stacklevel=3,
+        )
     paddle.set_flags({flag: True})
     patcher.on_revert(lambda: paddle.set_flags({flag: before}), flag)
 

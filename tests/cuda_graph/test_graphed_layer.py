@@ -3,6 +3,7 @@ bitwise with the plain layer (the idea of Paddle's test_cuda_graphed_layer.py)."
 import numpy as np
 import paddle
 import pytest
+from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker as fleet_rng_tracker
 
 from paddle_hybrid import CUDAGraphedLayer, GraphPool
 from paddle_hybrid.cuda_graph import (
@@ -29,17 +30,60 @@ class MLP(paddle.nn.Layer):
         return self.fc2(self.drop(paddle.nn.functional.gelu(h)))
 
 
-class TwoOut(paddle.nn.Layer):
-    """Several outputs, one of them not differentiable, nested in a dict."""
+class ThreeOut(paddle.nn.Layer):
+    """Three outputs, nested in tuples and dicts; ``idx`` (argmax) is not
+    differentiable.  ``where`` puts it first, in the middle or last of the
+    flattened outputs: autograd hands the backward one gradient per output, so
+    a backward that indexes them as if only differentiable outputs counted
+    takes the wrong gradient wherever a differentiable output comes after it,
+    which puts it anywhere but last."""
 
-    def __init__(self):
+    ORDERS = {"first": ("idx", "h", "b"), "middle": ("h", "idx", "b"), "last": ("h", "b", "idx")}
+
+    def __init__(self, where="last"):
         super().__init__()
+        self.where = where
         self.a = paddle.nn.Linear(8, 8)
         self.b = paddle.nn.Linear(8, 4)
 
     def forward(self, x, scale=1.0):
         h = self.a(x) * scale
-        return h, {"b": self.b(h), "idx": paddle.argmax(h, axis=-1)}
+        out = {"h": h, "b": self.b(h), "idx": paddle.argmax(h, axis=-1)}
+        first, second, third = (out[k] for k in self.ORDERS[self.where])
+        return first, {"second": second, "third": [third]}
+
+    def named(self, result):
+        """The outputs of a call by name."""
+        first, rest = result
+        return dict(zip(self.ORDERS[self.where], (first, rest["second"], rest["third"][0])))
+
+
+class CorruptedSchedule(CUDAGraphedLayer):
+    """Every forward lands on graph pair 0, as if the schedule were corrupted;
+    each buffer-reuse check can be switched off to show what the other checks
+    catch and what goes wrong without them."""
+
+    check_free = True  # forward side: the pair is not in flight
+    check_holds = True  # backward side: the pair still holds this microbatch (generation)
+
+    def _position_in_cycle(self, sig):
+        super()._position_in_cycle(sig)
+        return 0
+
+    def _check_pair_free(self, pair):
+        if self.check_free:
+            super()._check_pair_free(pair)
+
+    def _check_pair_holds(self, microbatch):
+        if self.check_holds:
+            super()._check_pair_holds(microbatch)
+
+
+class UnorderedPool(GraphPool):
+    """A pool that lets its graphs replay in any order."""
+
+    def check_replay_order(self, position, what):
+        pass
 
 
 def make(cls, seed, **kw):
@@ -115,6 +159,86 @@ def test_warmup_leaves_buffers_and_rng_alone():
         assert_bitwise(grads_np(ref), grads_np(graphed.layer), f"grads step {step}")
 
 
+TRACKED = "paddle_hybrid_test_dropout"
+
+
+@pytest.fixture
+def tracker():
+    """Fleet's model-parallel RNG tracker with one more state, taken out again after the test."""
+    t = fleet_rng_tracker()
+    saved = dict(t.states_), set(t.seeds_)
+    t.add(TRACKED, 4321)
+    yield t
+    t.states_, t.seeds_ = saved
+
+
+class TrackedDropout(paddle.nn.Layer):
+    """Dropout drawing from a state of fleet's tracker, as tensor-parallel layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = paddle.nn.Linear(8, 16)
+        self.fc2 = paddle.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = paddle.nn.functional.gelu(self.fc1(x))
+        with fleet_rng_tracker().rng_state(TRACKED):
+            h = paddle.nn.functional.dropout(h, 0.5)
+        return self.fc2(h)
+
+
+def test_warmup_leaves_fleet_rng_tracker_alone(tracker):
+    # Warmup draws dropout masks from the tracker; were its state not put
+    # back, the captured run would draw other masks than the plain layer.
+    ref = make(TrackedDropout, 14)
+    graphed = CUDAGraphedLayer(make(TrackedDropout, 14), num_warmup_steps=3, backend="emulation")
+    start = tracker.get_states_tracker()
+    for step, x in enumerate(inputs(3)):
+        tracker.set_states_tracker(start)
+        ref(x).sum().backward()
+        with tracker.rng_state(TRACKED):
+            next_r = paddle.rand([3]).numpy()
+        tracker.set_states_tracker(start)
+        graphed(x).sum().backward()
+        with tracker.rng_state(TRACKED):
+            next_g = paddle.rand([3]).numpy()
+        np.testing.assert_array_equal(next_r, next_g, err_msg=f"tracker after step {step}")
+        assert_bitwise(grads_np(ref), grads_np(graphed.layer), f"grads step {step}")
+        ref.clear_gradients()
+        graphed.clear_gradients()
+
+
+def test_rng_tracker_that_cannot_be_read_stops_warmup(tracker, monkeypatch):
+    def unreadable():
+        raise RuntimeError("tracker state unreadable")
+
+    monkeypatch.setattr(tracker, "get_states_tracker", unreadable)
+    graphed = CUDAGraphedLayer(make(MLP, 15), num_warmup_steps=1, backend="emulation")
+    with pytest.raises(CudaGraphError, match="could not read the states of fleet's model-parallel RNG tracker") as info:
+        graphed(inputs(1)[0])
+    assert "tracker state unreadable" in str(info.value)
+
+
+def test_rng_tracker_that_cannot_be_restored_raises_after_putting_back_the_rest(tracker, monkeypatch):
+    def refuses(states):
+        raise RuntimeError("tracker refuses the states")
+
+    monkeypatch.setattr(tracker, "set_states_tracker", refuses)
+    layer = make(MLP, 16, norm=True, p=0.2)
+    graphed = CUDAGraphedLayer(layer, num_warmup_steps=2, backend="emulation")
+    buffers_before = [b.numpy().copy() for b in layer.buffers()]
+    x = inputs(1)[0]
+    paddle.seed(5)
+    expected = paddle.rand([3]).numpy()
+    paddle.seed(5)
+    with pytest.raises(CudaGraphError, match="could not put back the states of fleet's model-parallel RNG") as info:
+        graphed(x)
+    assert "tracker refuses the states" in str(info.value)
+    # Paddle's generator and the layer's buffers were put back all the same.
+    np.testing.assert_array_equal(paddle.rand([3]).numpy(), expected)
+    assert_bitwise([b.numpy() for b in layer.buffers()], buffers_before, "buffers")
+
+
 def test_several_microbatches_in_flight_and_stage0_inputs():
     # Inputs need no gradient (pipeline stage 0): parameters must still get theirs.
     ref = make(MLP, 2)
@@ -136,20 +260,23 @@ def test_several_microbatches_in_flight_and_stage0_inputs():
     assert graphed.num_graph_pairs() == 3
 
 
-def test_input_gradients_and_several_outputs():
-    ref = make(TwoOut, 4)
-    graphed = CUDAGraphedLayer(make(TwoOut, 4), num_warmup_steps=1, backend="emulation")
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_input_gradients_and_several_outputs(where):
+    ref = make(ThreeOut, 4, where=where)
+    graphed = CUDAGraphedLayer(make(ThreeOut, 4, where=where), num_warmup_steps=1, backend="emulation")
     for step in range(3):
         x_r = inputs(1, seed=step)[0]
         x_r.stop_gradient = False
         x_g = x_r.detach()
         x_g.stop_gradient = False
-        h_r, d_r = ref(x_r, scale=2.0)
-        h_g, d_g = graphed(x_g, scale=2.0)
-        assert isinstance(d_g, dict) and d_g["idx"].stop_gradient and d_g["idx"].dtype == d_r["idx"].dtype
-        np.testing.assert_array_equal(d_r["idx"].numpy(), d_g["idx"].numpy())
-        ((h_r ** 2).sum() + d_r["b"].sum()).backward()
-        ((h_g ** 2).sum() + d_g["b"].sum()).backward()
+        out_g = graphed(x_g, scale=2.0)
+        assert isinstance(out_g, tuple) and isinstance(out_g[1], dict) and isinstance(out_g[1]["third"], list)
+        r, g = ref.named(ref(x_r, scale=2.0)), graphed.layer.named(out_g)
+        assert g["idx"].stop_gradient and g["idx"].dtype == r["idx"].dtype
+        np.testing.assert_array_equal(r["idx"].numpy(), g["idx"].numpy())
+        # Different weights on h and b: a gradient handed to the wrong output changes the numbers.
+        ((r["h"] ** 2).sum() + 3.0 * r["b"].sum()).backward()
+        ((g["h"] ** 2).sum() + 3.0 * g["b"].sum()).backward()
         np.testing.assert_array_equal(x_r.grad.numpy(), x_g.grad.numpy())
         assert_bitwise(grads_np(ref), grads_np(graphed.layer), f"grads step {step}")
         ref.clear_gradients()
@@ -163,7 +290,7 @@ def in_backward(exc_type, match):
     return pytest.raises((exc_type, OSError), match=match)
 
 
-def test_buffer_reused_before_its_backward_is_detected(monkeypatch):
+def test_buffer_reused_before_its_backward_is_detected():
     """Two microbatches in flight forced onto one graph pair (a corrupted
     order): the reuse is detected; without the checks the numbers are wrong."""
     xs = inputs(2, seed=11)
@@ -171,25 +298,23 @@ def test_buffer_reused_before_its_backward_is_detected(monkeypatch):
     y_ref = ref(xs[0])
     y_ref.sum().backward()
 
-    graphed = CUDAGraphedLayer(make(MLP, 5), num_warmup_steps=0, backend="emulation")
-    monkeypatch.setattr(CUDAGraphedLayer, "_next_index", lambda self, sig: 0)
+    graphed = CorruptedSchedule(make(MLP, 5), num_warmup_steps=0, backend="emulation")
     y0 = graphed(xs[0])
     with pytest.raises(StaticBufferReuseError, match="backward has not run"):
         graphed(xs[1])
     # The order check is a second line of defence: graph 0 replayed twice in one cycle.
-    graphed._check_reuse = False
+    graphed.check_free = False
     with pytest.raises(GraphOrderError, match="out of capture order"):
         graphed(xs[1])
-    graphed._check_reuse = True
+    graphed.check_free = True
     y0.sum().backward()  # the first microbatch still completes, correctly
     assert_bitwise(grads_np(ref), grads_np(graphed.layer), "grads after a refused reuse")
     assert graphed.queue_length() == 0
 
     # The same corrupted order with the checks off: the first microbatch's
     # output and gradients are the second one's.
-    unchecked = CUDAGraphedLayer(make(MLP, 5), num_warmup_steps=0, backend="emulation")
-    unchecked._check_reuse = False
-    unchecked.pool._check_order = False
+    unchecked = CorruptedSchedule(make(MLP, 5), num_warmup_steps=0, pool=UnorderedPool("emulation"))
+    unchecked.check_free = unchecked.check_holds = False
     y0 = unchecked(xs[0])
     np.testing.assert_array_equal(y0.numpy(), y_ref.numpy())
     unchecked(xs[1])
@@ -199,12 +324,10 @@ def test_buffer_reused_before_its_backward_is_detected(monkeypatch):
 
     # The backward-side check (generation count) catches a refill that
     # slipped past the forward-side checks.
-    late = CUDAGraphedLayer(make(MLP, 5), num_warmup_steps=0, backend="emulation")
-    late.pool._check_order = False
+    late = CorruptedSchedule(make(MLP, 5), num_warmup_steps=0, pool=UnorderedPool("emulation"))
     first = late(xs[0])
-    late._check_reuse = False
+    late.check_free = False
     late(xs[1])
-    late._check_reuse = True
     with in_backward(StaticBufferReuseError, "refilled by another microbatch"):
         first.sum().backward()
 
@@ -274,6 +397,16 @@ def test_eval_and_no_grad_run_eagerly():
     graphed.layer.train()
     graphed(x).sum().backward()
     assert graphed.num_graph_pairs() == 1 and graphed.queue_length() == 0
+
+
+def test_output_neither_tensor_nor_constant_is_named():
+    class ReturnsSet(MLP):
+        def forward(self, x):
+            return super().forward(x), {"labels": {1, 2}}  # a set: unhashable, not walked into
+
+    graphed = CUDAGraphedLayer(make(ReturnsSet, 10), num_warmup_steps=0, backend="emulation")
+    with pytest.raises(CudaGraphError, match="returned set, neither a tensor nor a hashable constant"):
+        graphed(inputs(1)[0])
 
 
 def test_forward_without_backward_is_bounded():

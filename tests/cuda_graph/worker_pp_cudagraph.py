@@ -57,18 +57,19 @@ def run(args, hcg, use_cudagraph):
     model = fleet.distributed_model(layer)
     opt = fleet.distributed_optimizer(opt)
     batch = args.micro * args.acc
-    losses, queues, in_flight = [], [], []
+    losses, queues, in_flight, pairs = [], [], [], []
     for step in range(args.steps):
         x, y = models.make_data(step, batch, args.in_dim, args.out_dim, args.seed)
         loss = model.train_batch([paddle.to_tensor(x), paddle.to_tensor(y)], opt)
         losses.append(np.asarray(loss.numpy()).reshape(-1)[0].item())
         queues.append([g.queue_length() for g in graphed])
         in_flight.append(graphed[0].pool.in_flight if graphed else 0)
+        pairs.append([g.num_graph_pairs() for g in graphed])
     info.update(
         losses=losses,
         queues=queues,
         in_flight=in_flight,
-        pairs=[g.num_graph_pairs() for g in graphed],
+        pairs=pairs,  # per step, per graphed layer (run order)
         one_pool=len({id(g.pool) for g in graphed}) <= 1,
         initial=initial,
         params={k: p.numpy() for k, p in params.items()},
@@ -135,8 +136,6 @@ def main(argv=None):
     if args.upstream:
         # Paddle's own wrapper, for contrast (its queue logic run eagerly, as
         # PADDLE_DEBUG_CUDAGRAPHEDLAYER_FALLBACK_TO_DEFAULT=1 does on CPU).
-        from paddle_hybrid.cuda_graph import pipeline
-
         paddle_hybrid.uninstall_component("cuda_graph.pipeline")
         try:
             out["upstream"] = run_upstream(args, hcg)
