@@ -3,7 +3,7 @@
 Builds the same program three times (a stack of LayerNorm / column-split
 Linear / gelu / replicated Linear blocks on an mp x pp cluster, cut so that
 every block boundary crosses stages: reshard inserts 1000+ ops on the chosen
-rank; see ``tests/static/static_programs.py``), reshards it
+rank; see ``paddle_hybrid/testing/static_programs.py``), reshards it
 
 * ``stock``:    Paddle's ``Resharder.reshard`` (a ``_sync_with_cpp`` per insert),
 * ``deferred``: the plugin's wrapper with deferred sync only,
@@ -28,16 +28,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "static"))
 
 import paddle  # noqa: E402
 from paddle.base import framework  # noqa: E402
 
 import paddle_hybrid  # noqa: E402
 from paddle_hybrid import PluginConfig  # noqa: E402
-from paddle_hybrid.passes import reshard as reshard_patch  # noqa: E402
+from paddle_hybrid.reshard import deferred as reshard_patch  # noqa: E402
 from paddle_hybrid.program_edit import count_syncs  # noqa: E402
-from static_programs import (  # noqa: E402
+from paddle_hybrid.testing.static_programs import (  # noqa: E402
     build_auto_parallel_program,
     dist_signature,
     process_groups,
@@ -51,11 +50,11 @@ VARIANTS = ("stock", "deferred", "plugin")
 @contextlib.contextmanager
 def _variant(name):
     was = reshard_patch.is_installed()
-    paddle_hybrid.uninstall_component("passes.reshard")
+    paddle_hybrid.uninstall_component("reshard")
     saved = reshard_patch._indexed_process_groups
     try:
         if name != "stock":
-            paddle_hybrid.install_component("passes.reshard", PluginConfig())
+            paddle_hybrid.install_component("reshard", PluginConfig())
             if not reshard_patch.is_installed():
                 raise SystemExit("the reshard patch did not install on this Paddle (see the warning above)")
         if name == "deferred":
@@ -63,9 +62,9 @@ def _variant(name):
         yield
     finally:
         reshard_patch._indexed_process_groups = saved
-        paddle_hybrid.uninstall_component("passes.reshard")
+        paddle_hybrid.uninstall_component("reshard")
         if was:
-            paddle_hybrid.install_component("passes.reshard", PluginConfig())
+            paddle_hybrid.install_component("reshard", PluginConfig())
 
 
 @contextlib.contextmanager

@@ -4,8 +4,10 @@ Model: a chain of ``--layers`` Linear(``--width``) layers (2 gradients each).
 Variants, measured side by side in one process, rounds interleaved:
 
 * ``unfused``: fleet + plugin with ``fuse_all_reduce_ops=False`` (one all_reduce per gradient);
-* ``fused``: fleet + plugin, one group (``fuse_grad_size_in_num`` large);
-* ``fused_num8``: fleet + plugin with Paddle's default 8 gradients per group;
+* ``fused_default``: fleet + plugin with the strategy's defaults (``fuse_grad_size_in_MB`` 32,
+  ``fuse_grad_size_in_num`` 8: groups of 8 gradients), what a user gets without tuning;
+* ``fused_tuned``: fleet + plugin with ``fuse_grad_size_in_num=100000`` (one group: every
+  gradient of this model fits in 32 MB);
 * ``limit``: the same single-process training step plus ONE all_reduce of a
   preallocated persistable buffer with the bytes of all gradients, run
   through the same PIR path (no coalesce, no copy back).  Nothing depends on
@@ -26,8 +28,7 @@ from paddle.utils import unique_name
 import paddle_hybrid  # noqa: F401
 from paddle_hybrid import ops
 from paddle_hybrid.program_edit import deferred_sync
-from paddle_hybrid.pir_compat import translate_with_repair
-from paddle_hybrid.static_runtime import StaticRunner, ensure_process_group
+from paddle_hybrid.fused_allreduce import StaticRunner, ensure_process_group, translate_with_repair
 from paddle_hybrid.testing import save_result
 
 
@@ -40,11 +41,12 @@ def model(batch, width, layers):
     return x, loss
 
 
-def build_dp(args, fuse, num):
+def build_dp(args, fuse, num=None):
+    """``num`` None: the strategy's default ``fuse_grad_size_in_num``."""
     strategy = fleet.DistributedStrategy()
     strategy.fuse_all_reduce_ops = fuse
-    strategy.fuse_grad_size_in_MB = 64
-    strategy.fuse_grad_size_in_num = num
+    if num is not None:
+        strategy.fuse_grad_size_in_num = num
     scope = paddle.static.Scope()
     with OldIrGuard(), unique_name.guard(), paddle.static.scope_guard(scope):
         main, startup = paddle.static.Program(), paddle.static.Program()
@@ -110,12 +112,12 @@ def main():
     ensure_process_group()
     rank = fleet.worker_index()
     variants = {}
-    s, n, g = build_dp(args, fuse=False, num=8)
+    s, n, g = build_dp(args, fuse=False)
     variants["unfused"] = dict(step=s, allreduce=n, grads=g)
+    s, n, g = build_dp(args, fuse=True)
+    variants["fused_default"] = dict(step=s, allreduce=n, grads=g)
     s, n, g = build_dp(args, fuse=True, num=100000)
-    variants["fused"] = dict(step=s, allreduce=n, grads=g)
-    s, n, g = build_dp(args, fuse=True, num=8)
-    variants["fused_num8"] = dict(step=s, allreduce=n, grads=g)
+    variants["fused_tuned"] = dict(step=s, allreduce=n, grads=g)
     s, n, g, nbytes = build_limit(args)
     variants["limit"] = dict(step=s, allreduce=n, grads=g)
     s, n, g, _ = build_limit(args, ordered=True)

@@ -38,11 +38,11 @@ __all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "curren
 
 # Module paths, installed in this order and uninstalled in reverse.
 COMPONENTS: list[str] = [
-    "paddle_hybrid.meta_optimizers",
-    "paddle_hybrid.passes.reshard",
+    "paddle_hybrid.registration",
+    "paddle_hybrid.reshard",
     "paddle_hybrid.cpu",
     "paddle_hybrid.fleet_fixes",
-    "paddle_hybrid.dygraph",
+    "paddle_hybrid.grad_buckets",
     "paddle_hybrid.cuda_graph.pipeline",
     "paddle_hybrid.timeline",
 ]

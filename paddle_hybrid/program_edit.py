@@ -7,7 +7,8 @@ K walks.  Inside :func:`deferred_sync` those calls only mark the block as
 touched; on exit every touched block is synced exactly once, also when the
 body raises (Paddle PR 60022's idea, applied to every rewrite).
 
-Every pass of this package edits programs only inside ``deferred_sync``.
+Every rewrite of this package edits programs only inside ``deferred_sync``, and reads op roles
+through :func:`op_role` (the one helper for the ``op_role`` attribute).
 
 Precondition: the Python side of a block matches its C++ desc on entry (true
 unless something edited the desc directly).  If the op counts differ on entry
@@ -20,9 +21,22 @@ import threading
 from collections import Counter
 from typing import Iterator
 
-from paddle.base import framework
+from paddle.base import core, framework
 
-__all__ = ["deferred_sync", "count_syncs", "SyncCount"]
+__all__ = ["deferred_sync", "count_syncs", "SyncCount", "op_role", "OpRole", "OP_ROLE_KEY", "OP_DEVICE_KEY"]
+
+OpRole = core.op_proto_and_checker_maker.OpRole
+"""Paddle's op roles (``Forward`` 0, ``Backward`` 1, ``Optimize`` 2, ``LRSched`` 16, ``Loss`` 256 ...);
+a role is a bit set: the loss gradient op is ``Backward | Loss``."""
+
+OP_ROLE_KEY = core.op_proto_and_checker_maker.kOpRoleAttrName()
+OP_DEVICE_KEY = core.op_proto_and_checker_maker.kOpDeviceAttrName()
+
+
+def op_role(op) -> int:
+    """The ``op_role`` of a legacy op as an int; an op without the attribute counts as
+    ``Forward`` (0), as Paddle's executors treat it."""
+    return int(op.attr(OP_ROLE_KEY)) if op.has_attr(OP_ROLE_KEY) else 0
 
 _state = threading.local()
 

@@ -7,7 +7,7 @@ new group gets its own rendezvous store, so creation never reads a stale peer ad
 Each round creates 9 groups (the world 3 times, every pair twice), all-reduces on each, and
 destroys them; the next round's first creation releases their private stores.
 
-Environment: W_ROUNDS (default 6); W_STOCK_GROUPS=1 puts Paddle's own
+Environment: W_ROUNDS (default 11); W_STOCK_GROUPS=1 puts Paddle's own
 ``_new_process_group_impl`` back (to measure how often the stock start-up fails).
 """
 import itertools
@@ -37,7 +37,7 @@ def main():
         _use_stock_group_creation()
     dist.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
-    rounds = int(os.environ.get("W_ROUNDS", "6"))
+    rounds = int(os.environ.get("W_ROUNDS", "11"))
     subsets = [list(range(world))] * 3 + [list(c) for c in itertools.combinations(range(world), 2)] * 2
     sums, stores_per_round = [], []
     for _ in range(rounds):

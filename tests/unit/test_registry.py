@@ -34,11 +34,15 @@ def plugin_restored():
 
 
 def _snapshot():
-    """(owner, name) -> current value of every attribute the installed plugin replaced."""
+    """(owner, name) -> (Paddle's original, the installed replacement) of every attribute the
+    plugin replaced.  Two components may wrap one attribute (both fleet_fixes and grad_buckets
+    wrap ``_hybrid_sync_grad``): the first one's original is Paddle's, the last one's
+    replacement is what is installed."""
     out = {}
     for entry in paddle_hybrid.patches():
         owner = _owner_of(entry["component"], entry["owner"], entry["name"])
-        out[(owner, entry["name"])] = (entry["original"], entry["replacement"])
+        original = out.get((owner, entry["name"]), (entry["original"], None))[0]
+        out[(owner, entry["name"])] = (original, entry["replacement"])
     return out
 
 
@@ -61,8 +65,8 @@ def test_install_after_uninstall_reads_the_environment_again(plugin_restored, mo
     monkeypatch.setenv("PADDLE_HYBRID_GRAD_BUCKETS", "0")
     paddle_hybrid.install()
     assert paddle_hybrid.current_config().grad_buckets is False
-    assert "paddle_hybrid.dygraph" not in paddle_hybrid.installed_components()
-    assert "dygraph                off: switched off" in paddle_hybrid.report()
+    assert "paddle_hybrid.grad_buckets" not in paddle_hybrid.installed_components()
+    assert "grad_buckets           off: switched off" in paddle_hybrid.report()
 
 
 def test_unverified_paddle_skips_every_component_with_a_warning(plugin_restored, monkeypatch):
@@ -75,7 +79,7 @@ def test_unverified_paddle_skips_every_component_with_a_warning(plugin_restored,
         paddle_hybrid.install(PluginConfig())
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert paddle_hybrid.installed_components() == [] and paddle_hybrid.patches() == []
-    for name in ("cpu", "dygraph", "meta_optimizers", "fleet_fixes"):
+    for name in ("cpu", "grad_buckets", "registration", "fleet_fixes"):
         assert any(f"paddle_hybrid.{name}: verified on Paddle" in m and "this is 9.9.0" in m
                    and f"PADDLE_HYBRID_FORCE={name}" in m for m in messages), (name, messages)
     assert "cpu                    skipped: paddle_hybrid.cpu: verified on Paddle 3.3.x" in paddle_hybrid.report()

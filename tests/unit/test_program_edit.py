@@ -6,8 +6,7 @@ import pytest
 from paddle.base import framework
 
 from paddle_hybrid.program_edit import count_syncs, deferred_sync
-
-from static_programs import program_signature
+from paddle_hybrid.testing.static_programs import program_signature
 
 
 def _program(n_ops=30, with_sub_block=False):

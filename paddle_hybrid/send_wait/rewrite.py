@@ -26,32 +26,38 @@ recompute:
    ``c_sync_calc_stream(X)`` as 1F1B's sends are, so the send reads ``X`` after
    it is computed;
 3. inserts the plugin's ``ph_nop(X)`` right after the backward recv whose
-   completion implies the send's: the stage's first backward recv (stage
-   ``s + 1`` receives all of a microbatch's activations in its forward phase,
-   before it sends any gradient back; see :func:`matching_backward_recv`), as
-   upstream's 1F1B rewrite does, with one ``ph_nop`` per variable.
+   completion implies the send's: the stage's first backward recv of a
+   gradient of a forward-sent variable (stage ``s + 1`` receives all of a
+   microbatch's activations in its forward phase, before it sends any gradient
+   back; see :func:`matching_backward_recv`), as upstream's 1F1B rewrite does,
+   with one ``ph_nop`` per variable.
 
-A send with no backward recv in the program (no backward, or the last stage)
-is left as it is.  Applying the pass twice changes nothing.  All edits happen
+A send with no such recv in the program (no backward, or the last stage) is
+left as it is.  Applying the pass twice changes nothing.  All edits happen
 inside :func:`paddle_hybrid.program_edit.deferred_sync`.
+
+:class:`SendWaitPass` is the same as a Paddle pass (``ph_pipeline_send_wait``,
+registered by :mod:`paddle_hybrid.registration`).  Whether a rewritten program
+keeps every sent variable alive long enough is checked by
+:func:`paddle_hybrid.send_wait.lifetimes.check_send_lifetimes`, which derives
+the send/recv pairing on its own.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from paddle.base import core, framework
+from paddle.base import framework
+from paddle.distributed.passes.pass_base import PassBase, PassType
 
 from ..ops import NOP_IN, NOP_OP, NOP_OUT
-from ..program_edit import deferred_sync
+from ..program_edit import OP_DEVICE_KEY, OP_ROLE_KEY, OpRole, deferred_sync, op_role
 
 __all__ = ["SendWaitResult", "apply_pipeline_send_wait", "forward_sends", "matching_backward_recv", "phase",
-           "execution_position"]
+           "SendWaitPass", "PASS_NAME"]
 
+PASS_NAME = "ph_pipeline_send_wait"
 SEND_TYPES = ("send_v2", "partial_send")
 RECV_TYPES = ("recv_v2", "partial_recv")
-_ROLE = core.op_proto_and_checker_maker.OpRole
-_ROLE_KEY = core.op_proto_and_checker_maker.kOpRoleAttrName()
-_DEVICE_KEY = core.op_proto_and_checker_maker.kOpDeviceAttrName()
 
 
 @dataclasses.dataclass
@@ -74,26 +80,16 @@ class SendWaitResult:
         return bool(self.removed_syncs or self.async_sends or self.removed_upstream_nops or self.nops)
 
 
-def _role(op) -> int:
-    return int(op.attr(_ROLE_KEY)) if op.has_attr(_ROLE_KEY) else 0
-
-
 def phase(op) -> int:
     """0 forward, 1 backward, 2 optimize: a section worker runs a microbatch's
     ops phase by phase, each phase in program order, so program order alone is
     not execution order (``_mv_head_recv`` leaves backward ops between forward ones)."""
-    role = _role(op)
-    if role & (int(_ROLE.Optimize) | int(_ROLE.LRSched)):
+    role = op_role(op)
+    if role & (int(OpRole.Optimize) | int(OpRole.LRSched)):
         return 2
-    if role & int(_ROLE.Backward):
+    if role & int(OpRole.Backward):
         return 1
     return 0
-
-
-def execution_position(block) -> dict:
-    """Op index -> its position in execution order (phase, then program order)."""
-    order = sorted(range(len(block.ops)), key=lambda i: (phase(block.ops[i]), i))
-    return {idx: pos for pos, idx in enumerate(order)}
 
 
 def forward_sends(block) -> list:
@@ -102,21 +98,27 @@ def forward_sends(block) -> list:
             if op.type in SEND_TYPES and phase(op) == 0]
 
 
-def matching_backward_recv(block, var_name: str):
-    """Index of the backward recv whose completion implies that the forward
-    send of ``var_name`` completed, or None if the program has no backward recv.
+def _gradient_of(name: str):
+    """``"X@GRAD"`` (or ``"X@GRAD@RENAME..."``) -> ``"X"``; None for a name that is no gradient."""
+    k = name.find("@GRAD")
+    return name[:k] if k > 0 else None
 
-    It is the first backward recv in execution order.  Every backward recv of
-    stage ``s`` comes from stage ``s + 1`` (gradients flow back one stage), and
-    stage ``s + 1`` sends any gradient of a microbatch only in its backward
-    phase, after its forward phase received every activation of that
-    microbatch; so the first backward recv completing implies every forward send
-    of the microbatch completed, ``var_name``'s included.  It is also the
-    earliest such point, so the variable is held no longer than needed.
+
+def matching_backward_recv(block):
+    """Index of the backward recv whose completion implies that every forward send of
+    ``block`` completed, or None if there is none.
+
+    It is the first backward recv (in program order, which within the backward phase is
+    execution order) that receives the gradient of a variable this stage sends forward.  That
+    message comes from stage ``s + 1``, which sends gradients only in its backward phase, after
+    its forward phase received every activation of the microbatch; so its completion implies
+    every forward send of the microbatch completed.  A backward-phase recv of anything else
+    (a message from another peer) implies nothing about the forward sends.  It is also the
+    earliest such point, so the variables are held no longer than needed.
     """
-    del var_name  # the same recv serves every forward send of the stage
+    sent = {name for _, _, name in forward_sends(block)}
     for i, op in enumerate(block.ops):
-        if op.type in RECV_TYPES and phase(op) == 1:
+        if op.type in RECV_TYPES and phase(op) == 1 and any(_gradient_of(n) in sent for n in op.output_arg_names):
             return i
     return None
 
@@ -151,13 +153,13 @@ def apply_pipeline_send_wait(program) -> SendWaitResult:
     if not sends:
         return result
     with deferred_sync(block):
-        sent = {name for _, _, name in sends}
         served = set()  # forward-sent vars that get a keep-alive after their recv
+        has_recv = matching_backward_recv(block) is not None
         for _, op, name in sends:
-            if matching_backward_recv(block, name) is None:
-                result.kept.append(name)
-            else:
+            if has_recv:
                 served.add(name)
+            else:
+                result.kept.append(name)
         # 1. waits that only wait for forward sends, and upstream's keep-alives
         for idx in range(len(block.ops) - 1, -1, -1):
             op = block.ops[idx]
@@ -174,9 +176,9 @@ def apply_pipeline_send_wait(program) -> SendWaitResult:
             op._set_attr("use_calc_stream", False)
             prev = block.ops[idx - 1] if idx > 0 else None
             if not (prev is not None and prev.type == "c_sync_calc_stream" and prev.input("X") == [name]):
-                attrs = {_ROLE_KEY: op.attr(_ROLE_KEY)}
-                if op.has_attr(_DEVICE_KEY):
-                    attrs[_DEVICE_KEY] = op.attr(_DEVICE_KEY)
+                attrs = {OP_ROLE_KEY: op_role(op)}
+                if op.has_attr(OP_DEVICE_KEY):
+                    attrs[OP_DEVICE_KEY] = op.attr(OP_DEVICE_KEY)
                 block._insert_op(idx, type="c_sync_calc_stream", inputs={"X": [name]},
                                  outputs={"Out": [name]}, attrs=attrs)
             result.async_sends.insert(0, name)
@@ -184,14 +186,37 @@ def apply_pipeline_send_wait(program) -> SendWaitResult:
         for _, op, name in forward_sends(block):
             if name not in served:
                 continue
-            recv_idx = matching_backward_recv(block, name)
+            recv_idx = matching_backward_recv(block)
             if _has_keepalive(block, recv_idx, name):
                 continue
             recv = block.ops[recv_idx]
-            attrs = {_ROLE_KEY: int(_ROLE.Backward)}
-            if recv.has_attr(_DEVICE_KEY):
-                attrs[_DEVICE_KEY] = recv.attr(_DEVICE_KEY)
+            attrs = {OP_ROLE_KEY: int(OpRole.Backward)}
+            if recv.has_attr(OP_DEVICE_KEY):
+                attrs[OP_DEVICE_KEY] = recv.attr(OP_DEVICE_KEY)
             block._insert_op(recv_idx + 1, type=NOP_OP, inputs={NOP_IN: [name]},
                              outputs={NOP_OUT: [name]}, attrs=attrs)
             result.nops.append((name, recv.output("Out")[0]))
     return result
+
+
+class SendWaitPass(PassBase):
+    """``ph_pipeline_send_wait``: :func:`apply_pipeline_send_wait` on each main program (a
+    pipeline section program; the startup program is not touched).  It takes no attributes
+    (any given raises); the :class:`SendWaitResult` of the last program is the context's
+    attribute ``ph_pipeline_send_wait``."""
+
+    name = PASS_NAME
+
+    def _type(self):
+        return PassType.COMM_OPT
+
+    def _check_self(self):
+        if self._attrs:
+            raise ValueError(f"{PASS_NAME} takes no attributes, got {sorted(self._attrs)}.")
+        return True
+
+    def _check_conflict(self, other_pass):
+        return True
+
+    def _apply_single_impl(self, main_program, startup_program, context):
+        context.set_attr(PASS_NAME, apply_pipeline_send_wait(main_program))

@@ -1,6 +1,7 @@
-"""Helpers for the static-program tests and benchmarks: comparing legacy programs
-op for op, and building small auto-parallel programs the way Paddle's
-``test_auto_parallel_reshard*.py`` do (no execution).
+"""Legacy static programs for the tests and benchmarks of the static features: comparing
+programs op for op (:func:`program_signature`), building small auto-parallel programs the way
+Paddle's ``test_auto_parallel_reshard*.py`` do, and pipeline section programs built by Paddle's
+``PipelineOptimizer`` on a CPU build (no execution).
 
 Build everything under ``paddle.pir_utils.OldIrGuard()``.
 """
@@ -15,7 +16,7 @@ from paddle.base import framework, unique_name
 from paddle.base.backward import append_backward
 from paddle.base.layer_helper import LayerHelper
 
-__all__ = ["program_signature", "dist_signature", "build_auto_parallel_program", "run_reshard",
+__all__ = ["program_signature", "dist_signature", "process_groups", "build_auto_parallel_program", "run_reshard",
            "build_pipeline_program", "pipeline_places_on_cpu"]
 
 # Attributes that record where an op was built (Python stack), not what it does.

@@ -8,10 +8,10 @@ import pytest
 
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
-from paddle_hybrid.passes import reshard as reshard_patch
+from paddle_hybrid.reshard import deferred as reshard_patch
 from paddle_hybrid.program_edit import count_syncs
 
-from static_programs import (
+from paddle_hybrid.testing.static_programs import (
     build_auto_parallel_program,
     dist_signature,
     process_groups,
@@ -39,17 +39,17 @@ def plugin_reshard():
     was = reshard_patch.is_installed()
     yield
     if reshard_patch.is_installed() and not was:
-        paddle_hybrid.uninstall_component("passes.reshard")
+        paddle_hybrid.uninstall_component("reshard")
     elif was and not reshard_patch.is_installed():
-        paddle_hybrid.install_component("passes.reshard", PluginConfig())
+        paddle_hybrid.install_component("reshard", PluginConfig())
 
 
 def _resharded(rank, installed, **kw):
     if installed:
-        paddle_hybrid.install_component("passes.reshard", PluginConfig())
+        paddle_hybrid.install_component("reshard", PluginConfig())
         assert reshard_patch.is_installed()
     else:
-        paddle_hybrid.uninstall_component("passes.reshard")
+        paddle_hybrid.uninstall_component("reshard")
         assert not reshard_patch.is_installed()
     with paddle.pir_utils.OldIrGuard():
         main, startup, ctx, pg = build_auto_parallel_program(rank, **kw)
@@ -71,7 +71,7 @@ def _resharded(rank, installed, **kw):
 
 
 def test_installed_by_import():
-    assert "paddle_hybrid.passes.reshard" in paddle_hybrid.installed_components()
+    assert "paddle_hybrid.reshard" in paddle_hybrid.installed_components()
     assert reshard_patch.is_installed()
     from paddle.distributed.auto_parallel.static.reshard import Resharder
 
@@ -93,7 +93,7 @@ def test_identical_program_and_fewer_syncs(plugin_reshard, dp, mp, pp, layers, r
 def test_uninstall_restores_stock(plugin_reshard):
     from paddle.distributed.auto_parallel.static.reshard import Resharder
 
-    paddle_hybrid.uninstall_component("passes.reshard")
+    paddle_hybrid.uninstall_component("reshard")
     assert not hasattr(Resharder.reshard, "__paddle_hybrid_original__")
     with paddle.pir_utils.OldIrGuard():
         main, startup, ctx, pg = build_auto_parallel_program(0, mp=2, pp=2, layers=2)
@@ -101,13 +101,13 @@ def test_uninstall_restores_stock(plugin_reshard):
             run_reshard(0, main, startup, ctx, pg)
     inserted = sum(op.type in ("send_v2", "recv_v2") for op in main.global_block().ops)
     assert inserted > 0 and syncs.total > inserted  # stock: a sync per insert
-    paddle_hybrid.install_component("passes.reshard", PluginConfig())
+    paddle_hybrid.install_component("reshard", PluginConfig())
     assert Resharder.reshard.__paddle_hybrid_original__ is not None
 
 
 def test_config_switch_off(plugin_reshard):
-    paddle_hybrid.uninstall_component("passes.reshard")
-    paddle_hybrid.install_component("passes.reshard", dataclasses.replace(PluginConfig(), reshard_deferred_sync=False))
+    paddle_hybrid.uninstall_component("reshard")
+    paddle_hybrid.install_component("reshard", dataclasses.replace(PluginConfig(), reshard_deferred_sync=False))
     assert not reshard_patch.is_installed()
 
 
@@ -120,11 +120,11 @@ def test_env_switch(monkeypatch):
 
 
 def test_refuses_other_paddle_source(plugin_reshard, monkeypatch):
-    paddle_hybrid.uninstall_component("passes.reshard")
+    paddle_hybrid.uninstall_component("reshard")
     key = "paddle.distributed.auto_parallel.static.reshard"
     monkeypatch.setitem(reshard_patch.EXPECTED_SOURCES, key, "0" * 64)
     with pytest.warns(reshard_patch.ReshardPatchWarning, match="NOT installed.*reshard.*3.3.1"):
-        paddle_hybrid.install_component("passes.reshard", PluginConfig())
+        paddle_hybrid.install_component("reshard", PluginConfig())
     assert not reshard_patch.is_installed()
     assert reshard_patch.source_mismatches() == [key]
 

@@ -3,7 +3,7 @@
 ``PipelineSendWaitOptimizer`` wraps fleet's ``PipelineOptimizer`` (it lists it,
 and what it wraps, in its white list, so fleet applies it outermost), lets it build the
 section program, then applies
-:func:`paddle_hybrid.passes.pipeline_send_wait.apply_pipeline_send_wait` to it.
+:class:`~.rewrite.SendWaitPass` (:func:`~.rewrite.apply_pipeline_send_wait`) to it.
 It applies when ``strategy.pipeline`` is set, the role is collective and
 ``PluginConfig.pipeline_send_wait`` is True.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from paddle.distributed.fleet.meta_optimizers.meta_optimizer_base import MetaOptimizerBase
 
-from ..passes.pipeline_send_wait import apply_pipeline_send_wait
+from .rewrite import PASS_NAME, SendWaitPass
 
 __all__ = ["PipelineSendWaitOptimizer"]
 
@@ -24,7 +24,7 @@ class PipelineSendWaitOptimizer(MetaOptimizerBase):
         self.meta_optimizers_white_list = ["PipelineOptimizer", "RecomputeOptimizer", "AMPOptimizer"]
         self.meta_optimizers_black_list = []
         self.last_result = None
-        """The :class:`~paddle_hybrid.passes.pipeline_send_wait.SendWaitResult` of the last minimize."""
+        """The :class:`~.rewrite.SendWaitResult` of the last minimize."""
 
     def _can_apply(self):
         from .._install import current_config
@@ -55,5 +55,6 @@ class PipelineSendWaitOptimizer(MetaOptimizerBase):
                 "PipelineSendWaitOptimizer: fleet's PipelineOptimizer produced no section program "
                 "(program._pipeline_opt['section_program']); set PADDLE_HYBRID_PIPELINE_SEND_WAIT=0 to "
                 "train without the send-wait rewrite.")
-        self.last_result = apply_pipeline_send_wait(section)
+        context = SendWaitPass().apply([section], [None])
+        self.last_result = context.get_attr(PASS_NAME)
         return result

@@ -6,7 +6,7 @@ test_pipeline_send_wait.py (fleet keeps global state).
 
 On a CPU build two fleet steps cannot finish and are stubbed here, after the
 section program is built: ``PipelineOptimizer.minimize``'s CUDA-only
-``place_list`` (see ``static_programs.pipeline_places_on_cpu``) and fleet's
+``place_list`` (see ``paddle_hybrid.testing.static_programs.pipeline_places_on_cpu``) and fleet's
 NCCL communicator init (``comm_id must be generated``).
 """
 import json
@@ -20,14 +20,14 @@ os.environ.update({
     "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{6170 + i}" for i in range(stages)),
     "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{6170 + stage}",
 })
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import paddle  # noqa: E402
 from paddle.distributed import fleet  # noqa: E402
 from paddle.distributed.fleet.meta_optimizers import common  # noqa: E402
 
 import paddle_hybrid  # noqa: E402
-from static_programs import pipeline_places_on_cpu  # noqa: E402
+from paddle_hybrid import registration  # noqa: E402
+from paddle_hybrid.send_wait import check_send_lifetimes  # noqa: E402
+from paddle_hybrid.testing.static_programs import pipeline_places_on_cpu  # noqa: E402
 
 if uninstall:
     paddle_hybrid.uninstall()
@@ -58,11 +58,9 @@ with paddle.pir_utils.OldIrGuard(), pipeline_places_on_cpu():
             "outputs": op.output_arg_names,
             "use_calc_stream": op.attr("use_calc_stream") if op.has_attr("use_calc_stream") else None}
            for op in section.global_block().ops]
-    from paddle_hybrid.analysis import check_send_lifetimes
-
     try:
         checked = check_send_lifetimes(section)
     except AssertionError as exc:
         checked = str(exc)
     print("RESULT " + json.dumps({"ops": ops, "checker": checked,
-                                  "registered": paddle_hybrid.meta_optimizers.registered_names()}))
+                                  "registered": registration.registered_names()}))

@@ -13,10 +13,10 @@ touched block at the end.  While it runs, the reshard module's
 each call a linear scan of all groups) answers repeated lookups from an index;
 groups are still created by Paddle's function, in the same order with the same
 ids.  The resulting programs and process groups are identical to stock
-(``tests/static/test_reshard.py``).
+(``tests/reshard/test_reshard.py``).
 
-The wrapper is installed by ``import paddle_hybrid`` (component of
-:mod:`paddle_hybrid._install`) when ``PluginConfig.reshard_deferred_sync`` is
+The wrapper is installed by ``import paddle_hybrid`` (component
+``paddle_hybrid.reshard`` of :mod:`paddle_hybrid._install`) when ``PluginConfig.reshard_deferred_sync`` is
 True, and removed by :func:`uninstall`.  It is only installed on the Paddle
 source it was checked against: if ``reshard.py`` or ``new_process_group``
 differ from Paddle 3.3.1's, a :class:`ReshardPatchWarning` says so and stock
@@ -31,7 +31,11 @@ import inspect
 
 from ..program_edit import deferred_sync
 
-__all__ = ["skip_reason", "apply", "is_installed", "VERIFIED_PADDLE", "SWITCH", "ReshardPatchWarning", "EXPECTED_SOURCES"]
+__all__ = ["skip_reason", "apply", "is_installed", "VERIFIED_PADDLE", "SWITCH", "ReshardPatchWarning", "EXPECTED_SOURCES",
+           "source_mismatches"]
+
+COMPONENT = "paddle_hybrid.reshard"
+"""The registry's name of this component (the package re-exports its interface)."""
 
 # sha256 of the sources the patch was written and tested against (Paddle 3.3.1):
 # the whole reshard module (every insert/remove path runs under the deferral)
@@ -46,8 +50,6 @@ EXPECTED_SOURCES = {
 
 class ReshardPatchWarning(RuntimeWarning):
     """The reshard patch was not installed because Paddle's source differs."""
-
-
 
 
 def _modules():
@@ -160,7 +162,7 @@ def apply(config, patcher) -> None:
             f"reshard without per-insert sync NOT installed: the source of {', '.join(bad)} in Paddle "
             f"{paddle.__version__} differs from the source the patch was checked against, so stock (slower) "
             "reshard is used. Check the patch against this Paddle and update "
-            "paddle_hybrid.passes.reshard.EXPECTED_SOURCES")
+            "paddle_hybrid.reshard.deferred.EXPECTED_SOURCES")
         skipped.category = ReshardPatchWarning
         raise skipped
     patcher.set(reshard.Resharder, "reshard", _make_wrapper(reshard.Resharder.reshard))
@@ -169,5 +171,5 @@ def apply(config, patcher) -> None:
 def is_installed() -> bool:
     from .._install import component_state
 
-    state = component_state(__name__)
+    state = component_state(COMPONENT)
     return state is not None and state.status == "active"

@@ -1,8 +1,8 @@
 """Fleet glue of the fused all-reduce rewrite (static data parallel).
 
 ``FusedAllreduceOptimizer`` maps the strategy onto
-:class:`paddle_hybrid.passes.fuse_allreduce.FuseAllreduceConfig` and applies
-the pass; it does nothing else.  It applies to collective, legacy-IR static
+:class:`~.plan.FuseAllreduceConfig` and applies the pass
+(:class:`~.rewrite.FuseAllreducePass`); it does nothing else.  It applies to collective, legacy-IR static
 programs on more than one rank when:
 
 * ``strategy.fuse_all_reduce_ops`` is True (Paddle's default), or
@@ -21,23 +21,22 @@ Fleet applies meta optimizers as a chain; this one lists
 ``RawProgramOptimizer`` in its white list so that, when both apply, it wraps
 it and takes its place (it calls Raw's inner optimizer directly).
 
-After ``minimize``, run the program with
-:class:`paddle_hybrid.static_runtime.StaticRunner` (CPU: through PIR over
-gloo; GPU: the ordinary executor).
+After ``minimize``, run the program with :class:`~.runner.StaticRunner`
+(CPU: through PIR over gloo; GPU: the ordinary executor).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import paddle
 from paddle.base import framework
 from paddle.distributed.fleet.meta_optimizers.meta_optimizer_base import MetaOptimizerBase
 
-from ..passes.fuse_allreduce import FuseAllreduceConfig, apply_fuse_allreduce
-from ..static_runtime import use_pir_path
+from .plan import FuseAllreduceConfig
+from .rewrite import DP_RING_ID, FuseAllreducePass
+from .runner import use_pir_path
 
 __all__ = ["FusedAllreduceOptimizer", "config_from_strategy"]
-
-_OP_ROLE = paddle.base.core.op_proto_and_checker_maker.kOpRoleAttrName()
-_ROLE_FORWARD = int(paddle.base.core.op_proto_and_checker_maker.OpRole.Forward)
 
 
 def config_from_strategy(strategy, nranks: int) -> FuseAllreduceConfig:
@@ -86,20 +85,6 @@ class FusedAllreduceOptimizer(MetaOptimizerBase):
     def _enable_strategy(self, dist_strategy, context):
         dist_strategy.fuse_all_reduce_ops = True
 
-    def _broadcast_params(self, startup_program, ring_id: int) -> None:
-        block = startup_program.global_block()
-        if any(op.type == "broadcast" for op in block.ops):
-            return  # already added (minimize called twice on the same startup)
-        for param in block.iter_parameters():
-            if param.is_distributed:
-                continue
-            block.append_op(
-                type="broadcast",
-                inputs={"x": param},
-                outputs={"out": param},
-                attrs={"ring_id": ring_id, "root": 0, _OP_ROLE: _ROLE_FORWARD},
-            )
-
     def _init_nccl(self, startup_program, ring_id: int) -> None:
         """GPU only (written after RawProgramOptimizer._init_process_group; not executed here)."""
         from paddle.distributed.fleet.meta_optimizers.common import CollectiveHelper
@@ -123,10 +108,13 @@ class FusedAllreduceOptimizer(MetaOptimizerBase):
         optimize_ops, params_grads = inner.minimize(loss, startup_program, parameter_list, no_grad_set)
         main = loss.block.program
         config = config_from_strategy(self.user_defined_strategy, self._nranks())
-        apply_fuse_allreduce(main, params_grads, config)
         if not use_pir_path():
-            self._init_nccl(startup_program, config.ring_id)
-        self._broadcast_params(startup_program, config.ring_id)
+            self._init_nccl(startup_program, DP_RING_ID)  # before the pass's broadcasts
+        fuse_pass = FuseAllreducePass()
+        for key, value in dataclasses.asdict(config).items():
+            fuse_pass.set_attr(key, value)
+        fuse_pass.set_attr("params_grads", params_grads)
+        fuse_pass.apply([main], [startup_program])
         # Paddle's build-strategy graph passes do not know the plugin's ops.
         main._pass_applied = True
         return optimize_ops, params_grads

@@ -1,7 +1,7 @@
 """Worker of the 2-rank static data-parallel tests (one launch, several runs).
 
 For each configuration: build the legacy program, ``fleet.distributed_optimizer
-(...).minimize``, run it with ``paddle_hybrid.static_runtime.StaticRunner`` for
+(...).minimize``, run it with ``paddle_hybrid.fused_allreduce.StaticRunner`` for
 a few steps on this rank's half of the batch, and report parameters, losses and
 program structure.  Rank 0 also trains each model in one process on the full
 batch (no fleet).  Last, rank 1 builds a different model to trigger the layout
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 
 import paddle_hybrid  # noqa: E402,F401
-from paddle_hybrid.passes.fuse_allreduce import LayoutMismatchError  # noqa: E402
-from paddle_hybrid.static_runtime import StaticRunner  # noqa: E402
+from paddle_hybrid.fused_allreduce import StaticRunner  # noqa: E402
+from paddle_hybrid.layout_check import LayoutMismatchError  # noqa: E402
 from paddle_hybrid.testing import save_result  # noqa: E402
 
 GLOBAL_BATCH = 8

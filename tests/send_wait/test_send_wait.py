@@ -1,6 +1,7 @@
 """Pipeline send-wait rewrite on section programs built by Paddle's
 PipelineOptimizer (1F1B and F-then-B, with and without recompute, 2-4 stages)
-and through fleet; the lifetime checker on good and broken programs.
+and through fleet, checked with the lifetime checker (whose own tests are in
+test_lifetimes.py); the Paddle pass ``ph_pipeline_send_wait``.
 
 send_v2/recv_v2 have no CPU kernels, so these tests check program structure;
 nothing is executed."""
@@ -14,13 +15,15 @@ import pytest
 
 import paddle_hybrid
 from paddle_hybrid import ops
-from paddle_hybrid.analysis import SendLifetimeError, check_send_lifetimes
-from paddle_hybrid.passes.pipeline_send_wait import apply_pipeline_send_wait, forward_sends, phase
 from paddle_hybrid.program_edit import count_syncs
+from paddle_hybrid.send_wait import (apply_pipeline_send_wait, check_send_lifetimes, forward_sends,
+                                     matching_backward_recv, phase)
+from paddle_hybrid.testing.static_programs import build_pipeline_program, program_signature
 
-from static_programs import build_pipeline_program, program_signature
+from foreign_recv import with_foreign_backward_recv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 REWRITE_TYPES = {"c_sync_comm_stream", "c_sync_calc_stream", "nop", ops.NOP_OP}
 
 
@@ -106,75 +109,30 @@ def test_rewrite_every_stage(schedule, recompute, stages, upstream):
             assert not again.changed and program_signature(program) == before  # idempotent
 
 
-@pytest.fixture
-def raw_1f1b_stage0():
-    """Stage 0 of 3, 1F1B, upstream's send-sync optimization off (syncs present)."""
+def test_pass_keeps_alive_until_a_recv_from_the_send_peer():
+    """With a foreign recv first in the backward phase, the pass waits for the first recv of a
+    gradient of what it sends (the old pass took the foreign recv)."""
     with paddle.pir_utils.OldIrGuard():
-        yield build_pipeline_program(0, stages=3, schedule="1F1B", branches=2, upstream_send_sync_opt=False)
-
-
-def test_checker_flags_removed_sync(raw_1f1b_stage0):
-    program = raw_1f1b_stage0
-    block = program.global_block()
-    victim = forward_sends(block)[1][2]
-    idx = next(i for i, op in enumerate(block.ops)
-               if op.type == "c_sync_comm_stream" and op.input("X") == [victim])
-    block._remove_op(idx)
-    with pytest.raises(SendLifetimeError, match=victim.replace(".", r"\.")) as info:
-        check_send_lifetimes(program)
-    assert info.value.var_name == victim
-
-
-def test_checker_flags_missing_nop(raw_1f1b_stage0):
-    program = raw_1f1b_stage0
-    apply_pipeline_send_wait(program)
-    block = program.global_block()
-    check_send_lifetimes(program)
-    victim = forward_sends(block)[0][2]
-    idx = next(i for i, op in enumerate(block.ops) if op.type == ops.NOP_OP and op.input(ops.NOP_IN) == [victim])
-    block._remove_op(idx)
-    with pytest.raises(SendLifetimeError, match="freed before its send completes") as info:
-        check_send_lifetimes(program)
-    assert info.value.var_name == victim
-
-
-def test_checker_flags_async_send_without_keepalive():
-    with paddle.pir_utils.OldIrGuard():
-        program = build_pipeline_program(0, stages=2, schedule="F-then-B")
+        program, foreign = with_foreign_backward_recv()
         block = program.global_block()
-        check_send_lifetimes(program)  # calc-stream send: fine
-        _, send, name = forward_sends(block)[0]
-        send._set_attr("use_calc_stream", False)
-        with pytest.raises(SendLifetimeError) as info:
-            check_send_lifetimes(program)
-        assert info.value.var_name == name
-
-
-def test_checker_flags_no_backward_recv():
-    with paddle.pir_utils.OldIrGuard():
-        program = build_pipeline_program(0, stages=2, schedule="1F1B", upstream_send_sync_opt=False)
-        block = program.global_block()
-        for i in range(len(block.ops) - 1, -1, -1):
-            if block.ops[i].type in ("recv_v2", "c_sync_comm_stream") and phase(block.ops[i]) >= 1:
-                block._remove_op(i)
-        name = forward_sends(block)[0][2]
-        with pytest.raises(SendLifetimeError, match="no backward recv"):
-            check_send_lifetimes(program)
-        result = apply_pipeline_send_wait(program)  # nothing to wait on: the pass leaves it alone
-        assert result.kept == [name] and not result.changed
+        assert block.ops[matching_backward_recv(block)].output("Out")[0].endswith("@GRAD")
+        result = apply_pipeline_send_wait(program)
+        assert len(result.nops) == 2
+        for _, recv_out in result.nops:
+            assert recv_out.endswith("@GRAD"), recv_out
+        check_send_lifetimes(program)
 
 
 def test_rejects_non_program():
     with pytest.raises(TypeError, match="legacy paddle.static.Program"):
         apply_pipeline_send_wait(object())
-    with pytest.raises(TypeError, match="legacy paddle.static.Program"):
-        check_send_lifetimes(object())
 
 
 def test_meta_optimizer_registered_and_reversible():
     from paddle.distributed.fleet.base import meta_optimizer_factory as factory
 
     assert "PipelineSendWaitOptimizer" in factory.meta_optimizer_names
+    assert factory.PipelineSendWaitOptimizer.__module__ == "paddle_hybrid.send_wait.meta_optimizer"
     config = paddle_hybrid.current_config()
     paddle_hybrid.uninstall()
     try:
@@ -185,11 +143,39 @@ def test_meta_optimizer_registered_and_reversible():
     assert "PipelineSendWaitOptimizer" in factory.meta_optimizer_names
 
 
+def test_paddle_pass_equals_the_function_and_goes_with_uninstall():
+    """``new_pass("ph_pipeline_send_wait")`` through Paddle's PassManager gives the program the
+    plain function gives; uninstalling the registration component unregisters it."""
+    from paddle.distributed.passes import PassManager, new_pass
+
+    with paddle.pir_utils.OldIrGuard():
+        by_function = build_pipeline_program(0, stages=3, schedule="F-then-B", branches=2)
+        by_pass = build_pipeline_program(0, stages=3, schedule="F-then-B", branches=2)
+        assert program_signature(by_function) == program_signature(by_pass)
+        expected = apply_pipeline_send_wait(by_function)
+        manager = PassManager([new_pass("ph_pipeline_send_wait")])
+        context = manager.apply([by_pass], [paddle.static.Program()])
+    assert manager.names == ["ph_pipeline_send_wait"]
+    assert context.get_attr("ph_pipeline_send_wait").nops == expected.nops and expected.changed
+    assert program_signature(by_pass) == program_signature(by_function)
+    with pytest.raises(ValueError, match="takes no attributes"):
+        new_pass("ph_pipeline_send_wait", {"schedule": "1F1B"}).apply([by_pass], [None])
+    config = paddle_hybrid.current_config()
+    paddle_hybrid.uninstall_component("registration")
+    try:
+        with pytest.raises(AssertionError, match="not registered"):
+            new_pass("ph_pipeline_send_wait")
+    finally:
+        paddle_hybrid.install_component("registration", config)
+    assert new_pass("ph_pipeline_send_wait").name == "ph_pipeline_send_wait"
+
+
 def _fleet(stage, stages, schedule, recompute, uninstall):
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "fleet_pipeline_script.py"), str(stage), str(stages), schedule,
          str(int(recompute)), str(int(uninstall))],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
