@@ -8,7 +8,7 @@ from . import analysis, ops, timeline
 from ._install import (InstallError, current_config, install, install_component, installed_components, patches,
                        report, uninstall, uninstall_component)
 from .config import PluginConfig
-from .dygraph import BucketLayoutError, GradBuckets, GradSyncError
+from .grad_buckets import BucketLayoutError, GradBuckets, GradSyncError
 from .cuda_graph import CUDAGraphedLayer, GraphPool
 
 __version__ = "0.1.0"

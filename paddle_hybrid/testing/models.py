@@ -179,7 +179,7 @@ def _run_variant(args, v, hcg, strategy):
     import paddle.distributed as dist
     from paddle.distributed import fleet
 
-    from paddle_hybrid.dygraph import grad_buckets
+    from paddle_hybrid import grad_buckets
 
     rank = dist.get_rank()
     dp_rank = hcg.get_data_parallel_rank()
@@ -211,7 +211,7 @@ def _run_variant(args, v, hcg, strategy):
     if buckets is not None and v["max_params"]:
         # Rebuild with a count limit, to get many small buckets out of a small model.
         buckets.remove()
-        from paddle_hybrid.dygraph import attach_buckets
+        from paddle_hybrid.grad_buckets import attach_buckets
 
         buckets = attach_buckets(model, strategy, hcg, max_params=v["max_params"])
 
