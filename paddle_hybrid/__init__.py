@@ -4,7 +4,7 @@
 installs its components once (see :mod:`paddle_hybrid._install`);
 :func:`uninstall` undoes them.
 """
-from . import analysis, ops, timeline
+from . import fused_allreduce, ops, send_wait, timeline
 from ._install import (InstallError, current_config, install, install_component, installed_components, patches,
                        report, uninstall, uninstall_component)
 from .config import PluginConfig
@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ops",
-    "analysis",
+    "fused_allreduce",
+    "send_wait",
     "timeline",
     "PluginConfig",
     "install",

@@ -54,11 +54,11 @@ class PluginConfig:
 
     reshard_deferred_sync: bool = True
     """Legacy auto-parallel ``Resharder.reshard`` edits programs without a ``_sync_with_cpp``
-    per inserted op (:mod:`paddle_hybrid.passes.reshard`) (``PADDLE_HYBRID_RESHARD_DEFERRED_SYNC``)."""
+    per inserted op (:mod:`paddle_hybrid.reshard`) (``PADDLE_HYBRID_RESHARD_DEFERRED_SYNC``)."""
 
     pipeline_send_wait: bool = True
     """With fleet ``strategy.pipeline`` (static), replace the waits for forward sends by a ``ph_nop``
-    after the matching backward recv (:mod:`paddle_hybrid.passes.pipeline_send_wait`)
+    after the matching backward recv (:mod:`paddle_hybrid.send_wait`)
     (``PADDLE_HYBRID_PIPELINE_SEND_WAIT``)."""
 
     cpu_hybrid: str = "auto"
@@ -73,7 +73,7 @@ class PluginConfig:
 
     grad_buckets: bool = True
     """Let the fleet strategy's ``fuse_all_reduce_ops`` turn on the plugin's fused gradient
-    buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.dygraph`); False keeps
+    buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.grad_buckets`); False keeps
     Paddle's own gradient sync (``PADDLE_HYBRID_GRAD_BUCKETS``)."""
 
     grad_bucket_max_params: int = 0
@@ -82,7 +82,7 @@ class PluginConfig:
 
     static_fuse_allreduce: bool = True
     """Let fleet apply the plugin's static fused all_reduce meta optimizer
-    (:mod:`paddle_hybrid.meta_optimizers.fuse_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``)."""
+    (:mod:`paddle_hybrid.fused_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``)."""
 
     static_layout_check_timeout: float = 120.0
     """Seconds the cross-rank gradient-layout check of a static data-parallel program waits for

@@ -43,7 +43,7 @@ def test_one_stage_pipeline_layer_under_dp_averages_gradients(repo_root, tmp_pat
 
 @pytest.fixture
 def plugin_off():
-    """The whole plugin uninstalled (the dygraph component wraps one of the same methods
+    """The whole plugin uninstalled (the grad_buckets component wraps one of the same methods
     on top of this one, so they come off in reverse order), reinstalled afterwards."""
     config = paddle_hybrid.current_config()
     paddle_hybrid.uninstall()
