@@ -1,10 +1,14 @@
-"""Worker: train the shared test pipeline model (paddle_hybrid.testing.models) with
+"""Worker: train the shared test pipeline model (tests/hybrid/pipeline_models.py) with
 fleet PP (1F1B, or interleaved with --vpp 2) on gloo, once without and once with
 ``PipelineLayer(use_cudagraph=True)``, and save per rank what each run did."""
 import argparse
+import os
 import sys
 
 import numpy as np
+
+# the shared test pipeline model lives beside the hybrid tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hybrid"))
 
 
 def _scaled_tanh(x):
@@ -19,7 +23,7 @@ def build(specs, seed, pp, topology, vpp, use_cudagraph):
     import paddle
     from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
 
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     descs = []
     for idx, (i_d, o_d, act) in enumerate(specs):
@@ -37,7 +41,7 @@ def run(args, hcg, use_cudagraph):
 
     from paddle_hybrid import CUDAGraphedLayer
     from paddle_hybrid.cuda_graph.pipeline import graphed_layers
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     specs = models.block_specs(args.layers, args.in_dim, args.hidden, args.out_dim)
     layer = build(specs, args.seed, args.pp, hcg.topology(), args.vpp, use_cudagraph)
@@ -81,7 +85,7 @@ def run_upstream(args, hcg):
     import paddle
     from paddle.distributed import fleet
 
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     specs = models.block_specs(args.layers, args.in_dim, args.hidden, args.out_dim)
     layer = build(specs, args.seed, args.pp, hcg.topology(), args.vpp, True)

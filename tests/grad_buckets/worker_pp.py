@@ -16,9 +16,12 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 
 import paddle_hybrid
-from paddle_hybrid.testing import models, save_result
+from paddle_hybrid.testing import save_result
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "hybrid"))  # the shared pipeline_models
+import pipeline_models as models  # noqa: E402
 from bucket_fakes import DelayedAllReduce, cpu_grad_scaler  # noqa: E402
 
 COMPONENT = "grad_buckets"

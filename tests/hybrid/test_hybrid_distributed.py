@@ -1,6 +1,6 @@
 """Fleet hybrid parallel on CPU/gloo with the plugin, and the fused gradient buckets,
 each layout trained on N ranks and every rank compared with a single-process run of the
-same model and data (``paddle_hybrid.testing.models``).
+same model and data (``tests/hybrid/pipeline_models.py``).
 
 Tolerances: a rank against the single-process reference, rtol = atol = 1e-5 (losses) and
 atol = 1e-5 (parameters), since microbatch/DP summation order differs; ranks against each
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-import paddle_hybrid.testing.models as models
+import pipeline_models as models
 from paddle_hybrid.testing import LaunchError, launch
 
 TIMEOUT = 300

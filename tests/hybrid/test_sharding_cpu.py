@@ -21,6 +21,7 @@ import os
 import numpy as np
 import pytest
 
+import paddle_hybrid
 from paddle_hybrid.testing import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_sharding.py")

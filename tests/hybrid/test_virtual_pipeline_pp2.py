@@ -2,7 +2,7 @@
 
 Multi-rank: PP2 x VP2 and PP2 x VP3 on 2 ranks, ``use_batch_p2p_comm`` False and True,
 5 SGD steps, every rank against the single-process reference of
-``paddle_hybrid.testing.models``: losses rtol = atol = 1e-5, parameters atol = 1e-5
+``pipeline_models``: losses rtol = atol = 1e-5, parameters atol = 1e-5
 (summation order of the microbatches may differ; here they come out equal).
 
 In-process: what the patch changes and that ``uninstall()`` restores it; and the reason
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import paddle
-import paddle_hybrid.testing.models as models
+import paddle_hybrid
+import pipeline_models as models
 from paddle_hybrid import PluginConfig, cpu
 from paddle_hybrid.testing import launch
 

@@ -1,5 +1,5 @@
 """Worker: fleet sharding on gloo ranks, every variant trained on the small MLP of
-``paddle_hybrid.testing.models`` (weights from a seeded NumPy RNG) and compared, by the test,
+``pipeline_models`` (weights from a seeded NumPy RNG) and compared, by the test,
 with a single-process run of the same model, weights, data and optimizer.
 
 Run through ``paddle_hybrid.testing.launch``::
@@ -62,7 +62,7 @@ def _optimizer(params, clip):
 
 
 def _model(args, topology=None):
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     specs = models.block_specs(args.layers, args.in_dim, args.hidden, args.out_dim)
     if args.pp > 1:
@@ -73,7 +73,7 @@ def _model(args, topology=None):
 def _batch(args, step, shard):
     import paddle
 
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     x, y = models.make_data(step, args.batch, args.in_dim, args.out_dim, args.seed)
     sl = slice(shard * args.rows, (shard + 1) * args.rows)
@@ -86,7 +86,7 @@ def reference(args, steps, shard, clip):
     import paddle
     from paddle.utils import unique_name
 
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     with unique_name.guard():
         model = _model(argparse.Namespace(**{**vars(args), "pp": 1}))
@@ -151,7 +151,7 @@ def _fleet_variant(args, name, option, strategy, hcg, shard, save_root):
     import paddle.distributed as dist
     from paddle.utils import unique_name
 
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     model, wrapped, opt = _fleet_model(args, name, option, strategy, hcg)
     params = models.block_params(model)
@@ -192,7 +192,7 @@ def _group_sharded(model, opt, level):
 
 def _full_params(model, level):
     """Every block's full values (stage 3 keeps only this rank's slice between steps)."""
-    from paddle_hybrid.testing import models
+    import pipeline_models as models
 
     if level == "p_g_os":
         model.get_all_parameters()

@@ -9,7 +9,7 @@ start from the same values.  Loss: mean squared error.  Optimizer: SGD.
 
 Worker (run through :func:`paddle_hybrid.testing.launch`)::
 
-    launch(paddle_hybrid.testing.models.__file__, nprocs=3,
+    launch("tests/hybrid/pipeline_models.py", nprocs=3,
            args=["--pp", "3", "--acc", "6", "--variants", "vpp=1;vpp=2"])
 
 Each rank saves ``{"rank", "stage", "dp_rank", "variants": {spec: result}}``
