@@ -8,11 +8,50 @@ importable while building, so install with::
     pip install --no-build-isolation .        # or -e . for an editable install
 
 The shared library lands at ``paddle_hybrid/_custom_ops.so`` and is loaded once
-by ``paddle_hybrid.ops``.
+by ``paddle_hybrid.ops``.  Every build compiles from scratch (``force``): the
+library belongs to the Paddle it was compiled against, and setuptools' "up to
+date" check only compares source and library times, so after a change of
+Paddle it would copy the old library back.
+
+``pip install .`` builds a wheel, which with setuptools older than 70.1 (a
+Python 3.11 venv brings 65.5) needs the ``wheel`` package; :func:`check_wheel`
+stops early with that instruction instead of setuptools' "invalid command
+'bdist_wheel'".
 """
 import os
+import sys
 
 from setuptools import find_packages, setup
+
+# The commands pip runs for `pip install .` / `pip install -e .` / `pip wheel .`
+# (PEP 517 metadata and build hooks); each needs a bdist_wheel command.
+WHEEL_COMMANDS = ("bdist_wheel", "dist_info", "editable_wheel")
+WHEEL_MISSING = (
+    "paddle_hybrid: installing with pip builds a wheel, and this Python has no "
+    "bdist_wheel command (the `wheel` package is not installed; setuptools would "
+    "say \"invalid command 'bdist_wheel'\"). Install it first:\n"
+    "    pip install wheel\n"
+    "then run the install again: pip install --no-build-isolation ."
+)
+
+
+def check_wheel(argv=None):
+    """Stop with an instruction when a wheel is to be built without `wheel`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not any(cmd in argv for cmd in WHEEL_COMMANDS):
+        return
+    try:
+        import setuptools.command.bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+        return
+    except ImportError:
+        pass
+    try:
+        import wheel.bdist_wheel  # noqa: F401
+    except ImportError:
+        raise SystemExit(WHEEL_MISSING) from None
+
+
+check_wheel()
 
 try:
     import paddle
@@ -40,6 +79,12 @@ class BuildOps(BuildExtension):
         from setuptools.command.build_ext import build_ext
 
         build_ext.run(self)
+
+    def finalize_options(self):
+        super().finalize_options()
+        # Rebuild whenever asked: a library left in build/ by another Paddle
+        # is newer than the sources and would otherwise be reused.
+        self.force = True
 
 
 def ops_extension():

@@ -163,6 +163,41 @@ void FillConstant(const phi::Place& place, void* dst, int64_t numel,
 #endif
 }
 
+
+// A slice of the fused buffer as a phi::Allocation.  It holds a shallow copy
+// of the fused DenseTensor, so the fused allocation lives as long as any view
+// (as with a shared holder); freeing the slice frees nothing else.
+class FusedSlice : public phi::Allocation {
+ public:
+  FusedSlice(const phi::DenseTensor& fused, void* ptr, size_t bytes)
+      : phi::Allocation(ptr, bytes, fused.place()), fused_(fused) {}
+
+ private:
+  phi::DenseTensor fused_;
+};
+
+// Hands out exactly one slice: [byte_offset, byte_offset + bytes) of `fused`.
+class FusedSliceAllocator : public phi::Allocator {
+ public:
+  FusedSliceAllocator(const phi::DenseTensor& fused, size_t byte_offset, size_t bytes)
+      : fused_(fused), byte_offset_(byte_offset), bytes_(bytes) {}
+
+  AllocationPtr Allocate(size_t bytes_size) override {
+    PD_CHECK(bytes_size <= bytes_, "ph_coalesce_tensor: asked for ", bytes_size,
+             " bytes of a ", bytes_, "-byte slice of the fused buffer.");
+    PD_CHECK(byte_offset_ + bytes_ <= fused_.numel() * phi::SizeOf(fused_.dtype()),
+             "ph_coalesce_tensor: slice past the end of the fused buffer.");
+    char* ptr = static_cast<char*>(const_cast<phi::DenseTensor&>(fused_).data()) + byte_offset_;
+    return AllocationPtr(new FusedSlice(fused_, ptr, bytes_),
+                         [](phi::Allocation* a) { delete a; });
+  }
+
+ private:
+  const phi::DenseTensor& fused_;
+  size_t byte_offset_;
+  size_t bytes_;
+};
+
 paddle::Place PickPlace(const std::vector<paddle::Tensor>& inputs) {
   for (const auto& t : inputs) {
     if (t.initialized()) return t.place();
@@ -257,18 +292,28 @@ std::vector<paddle::Tensor> PhCoalesceTensorKernel(
     FillConstant(place, base, total, dtype, constant, fused);
   }
 
-  // Point every output into the fused buffer: share the allocation, then set
-  // the view's own dims, strides and byte offset (what DenseTensor::Slice +
-  // Resize do inside Paddle; Slice is not part of the custom-op headers).
+  // Point every output into the fused buffer.  The view keeps its own
+  // DenseTensor (and so its own inplace-version counter, like
+  // DenseTensor::ShareDataWith would); only its storage is replaced by a slice
+  // of the fused allocation, through public API that Paddle 3.2 and 3.3 both
+  // export to custom ops: clear() drops the old storage and AllocateFrom()
+  // takes the new one from an allocator that hands out that slice.
+  // (ShareDataWith/Holder()/Slice are not in 3.2's custom-op headers; copy or
+  // move assignment would also carry the fused tensor's version counter.)
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (dense[i]->numel() == 0) continue;  // nothing to alias
+    const size_t bytes = static_cast<size_t>(dense[i]->numel()) * elem;
+    FusedSliceAllocator slice(*fused_dense, offsets[i] * elem, bytes);
     phi::DenseTensorMeta meta = fused_dense->meta();
     meta.dims = dense[i]->dims();
     meta.strides = phi::DenseTensorMeta::calc_strides(meta.dims);
     meta.is_scalar = dense[i]->meta().is_scalar;
-    meta.offset = fused_dense->meta().offset + offsets[i] * elem;
-    dense[i]->ShareDataWith(*fused_dense);
+    meta.offset = 0;  // the slice's pointer already includes the offset
+    dense[i]->clear();
     dense[i]->set_meta(meta);
+    void* got = dense[i]->AllocateFrom(&slice, dtype, bytes);
+    PD_CHECK(got == base + offsets[i] * elem,
+             "ph_coalesce_tensor: output ", i, " did not take its slice of the fused buffer.");
   }
   return {fused};
 }

@@ -1,15 +1,25 @@
 # Sourced by scripts/run.sh and scripts/test.sh: make a ready environment.
 #
-#  * a virtual environment in $PADDLE_HYBRID_VENV (default: .venv), made with
-#    --system-site-packages so a Paddle the user already has (CPU or GPU) is kept;
-#  * paddlepaddle==3.3.1 only when no Paddle is importable;
+#  * a virtual environment in $PADDLE_HYBRID_VENV (default: .venv; a relative
+#    path is taken from the repository root), made with --system-site-packages
+#    so a Paddle the user already has (CPU or GPU) is kept;
+#  * Paddle: $PADDLE_HYBRID_PADDLE (default paddlepaddle==3.3.1) is installed
+#    when no Paddle is importable.  Set PADDLE_HYBRID_PADDLE explicitly to make
+#    it a requirement: when the importable Paddle (also one of the system
+#    Python's, seen through --system-site-packages) has another version, the
+#    pinned one is installed into the venv, where it takes precedence;
+#    with Paddle 3.2 also protobuf<7;
 #  * numpy, pytest, parameterized, matplotlib (+ wheel/setuptools/ninja for the build);
 #  * the custom ops built in place (pip install --no-build-isolation -e .),
-#    rebuilt only when a source is newer than the library.
+#    rebuilt when a source is newer than the library, when the library was
+#    built against another Paddle than this venv's (build/custom_ops.stamp
+#    records which), or when this venv does not have the tree installed.
+# A failed pip install stops here with pip's output.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="${PADDLE_HYBRID_VENV:-$ROOT/.venv}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 PY_BOOT="${PYTHON:-python3}"
 PADDLE_PIN="${PADDLE_HYBRID_PADDLE:-paddlepaddle==3.3.1}"
 
@@ -20,12 +30,52 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY_BOOT" -m venv --system-site-packages "$VENV"
 fi
 PY="$VENV/bin/python"
-pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' >&2 || true; }
+pip_q() {
+  local out rc=0
+  out=$("$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1) || rc=$?
+  out=$(printf '%s\n' "$out" | grep -v -e '^WARNING: Location' -e '^$' || true)
+  [ -z "$out" ] || printf '%s\n' "$out" >&2
+  if [ $rc -ne 0 ]; then
+    log "pip install $* failed (exit $rc); pip's output is above"
+    exit 1
+  fi
+}
+# Version, commit, CUDA build and location of the importable Paddle (empty if none).
+paddle_info() {
+  "$PY" -c 'import os, paddle
+print(paddle.__version__, paddle.version.commit, int(paddle.is_compiled_with_cuda()),
+      os.path.dirname(paddle.__file__))' 2>/dev/null || true
+}
 
-if ! "$PY" -c "import paddle" >/dev/null 2>&1; then
+want_version=""
+case "$PADDLE_PIN" in *==*) want_version="${PADDLE_PIN##*==}" ;; esac
+info=$(paddle_info)
+if [ -z "$info" ]; then
   log "no Paddle importable: installing $PADDLE_PIN"
   pip_q "$PADDLE_PIN"
+  info=$(paddle_info)
+elif [ -n "${PADDLE_HYBRID_PADDLE:-}" ] && [ -n "$want_version" ] && [ "${info%% *}" != "$want_version" ]; then
+  log "Paddle ${info%% *} importable (${info##* }) but PADDLE_HYBRID_PADDLE=$PADDLE_PIN: installing it into $VENV"
+  pip_q "$PADDLE_PIN"
+  info=$(paddle_info)
 fi
+[ -n "$info" ] || { log "Paddle still not importable with $PY; see the pip output above"; exit 1; }
+read -r PADDLE_VERSION PADDLE_COMMIT PADDLE_CUDA PADDLE_DIR <<<"$info"
+if [ -n "${PADDLE_HYBRID_PADDLE:-}" ] && [ -n "$want_version" ] && [ "$PADDLE_VERSION" != "$want_version" ]; then
+  log "PADDLE_HYBRID_PADDLE=$PADDLE_PIN but $PY imports Paddle $PADDLE_VERSION from $PADDLE_DIR"
+  exit 1
+fi
+log "Paddle $PADDLE_VERSION from $PADDLE_DIR"
+# Paddle 3.2 reads FieldDescriptor.label, which protobuf 7 removed (every
+# DistributedStrategy config then fails); it does not cap protobuf itself.
+case "$PADDLE_VERSION" in
+  3.2.*)
+    if ! "$PY" -c 'import sys, google.protobuf as p; sys.exit(int(p.__version__.split(".")[0]) >= 7)' 2>/dev/null; then
+      log "Paddle $PADDLE_VERSION needs protobuf<7: installing it into $VENV"
+      pip_q "protobuf<7"
+    fi ;;
+esac
+
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 mods = {"numpy": "numpy", "pytest": "pytest", "parameterized": "parameterized",
@@ -38,23 +88,41 @@ if [ -n "$missing" ]; then
   log "installing $missing"
   pip_q $missing
 fi
-"$PY" -c "import paddle" || { log "Paddle still not importable; see the pip output above"; exit 1; }
 
+# The library is one file shared by every venv that uses this tree; the stamp
+# says which Paddle it was built against (written after each build here).
 LIB="$ROOT/paddle_hybrid/_custom_ops.so"
-need_build=0
-[ -f "$LIB" ] || need_build=1
-if [ $need_build -eq 0 ] && [ -n "$(find custom_ops setup.py -newer "$LIB" -type f 2>/dev/null)" ]; then
-  need_build=1
+STAMP="$ROOT/build/custom_ops.stamp"
+want_stamp="paddle $PADDLE_VERSION commit $PADDLE_COMMIT cuda $PADDLE_CUDA no_cuda ${PADDLE_HYBRID_NO_CUDA:-0}"
+why=""
+if [ ! -f "$LIB" ]; then
+  why="no library yet"
+elif [ ! -f "$STAMP" ]; then
+  why="no record of the Paddle it was built against"
+elif [ "$(cat "$STAMP")" != "$want_stamp" ]; then
+  why="built against $(cut -d' ' -f1-2 "$STAMP"), this venv has paddle $PADDLE_VERSION"
+elif [ "$LIB" -nt "$STAMP" ]; then
+  why="rebuilt outside scripts/env.sh"
+elif [ -n "$(find custom_ops setup.py -newer "$LIB" -type f 2>/dev/null)" ]; then
+  why="custom_ops/ or setup.py changed"
+elif [ "$(cd / && "$PY" -I -c 'import importlib.util as u; s = u.find_spec("paddle_hybrid"); print(s.origin if s else "")' 2>/dev/null)" != "$ROOT/paddle_hybrid/__init__.py" ]; then
+  why="this tree is not installed in $VENV"
+elif ! "$PY" -c 'import sys
+from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
+load_op_meta_info_and_register_op(sys.argv[1])' "$LIB" >/dev/null 2>&1; then
+  why="Paddle $PADDLE_VERSION cannot load it"
 fi
-if ! "$PY" -c "import paddle_hybrid" >/dev/null 2>&1; then need_build=1; fi
-if [ $need_build -eq 1 ]; then
-  log "building the custom ops (about 30 s)"
+if [ -n "$why" ]; then
+  log "building the custom ops for Paddle $PADDLE_VERSION ($why; about 30-70 s)"
   start=$(date +%s)
+  rm -f "$STAMP"
   if ! "$PY" -m pip install -q --no-build-isolation --no-deps -e . > "$ROOT/build.log" 2>&1; then
     tail -40 "$ROOT/build.log" >&2
     log "building the custom ops failed; full log in build.log"
     exit 1
   fi
+  mkdir -p "$(dirname "$STAMP")"
+  printf '%s\n' "$want_stamp" > "$STAMP"
   log "built in $(( $(date +%s) - start )) s"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

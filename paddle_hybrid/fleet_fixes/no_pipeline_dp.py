@@ -55,6 +55,10 @@ def apply(patcher) -> None:
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import hybrid_parallel_optimizer as hpo_mod
     from paddle.distributed.fleet.meta_parallel import pipeline_parallel as pp
 
+    if not hasattr(pp, "NoPipelineParallel"):
+        # Paddle < 3.3 (checked: 3.2.2) has no NoPipelineParallel: fleet.distributed_model wraps a
+        # one-stage PipelineLayer under pure DP in paddle.DataParallel, whose reducer syncs.
+        return
     npp = patcher.require(pp, "NoPipelineParallel", "meta_parallel.pipeline_parallel")
     hpo = patcher.require(hpo_mod, "HybridParallelOptimizer", "hybrid_parallel_optimizer")
     patcher.check_params(npp.__init__, ["self", "layers", "strategy", "hcg"], "NoPipelineParallel.__init__")

@@ -60,3 +60,33 @@ def test_non_editable_install_builds_and_loads(tmp_path, repo_root):
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().startswith(str(target))
+
+
+# Runs setup.py as pip's build backend does (setup.py <command>) with `wheel`
+# unimportable: a meta-path finder refuses it, as in a new venv that has Paddle
+# and setuptools < 70.1 but no `wheel`.
+_SETUP_WITHOUT_WHEEL = r"""
+import runpy, sys
+class NoWheel:
+    def find_spec(self, name, path=None, target=None):
+        if name == "wheel" or name.startswith("wheel."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, NoWheel())
+sys.argv = ["setup.py"] + sys.argv[1:]
+runpy.run_path("setup.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("command", ["dist_info", "bdist_wheel", "editable_wheel"])
+def test_install_without_wheel_says_what_to_install(tmp_path, repo_root, command):
+    """`pip install --no-build-isolation .` in a venv without `wheel` stops in
+    setup.py (pip's first call is dist_info) with the command that fixes it,
+    not with setuptools' "invalid command 'bdist_wheel'"."""
+    args = [command] + (["--output-dir", str(tmp_path)] if command in ("dist_info", "editable_wheel")
+                        else ["--dist-dir", str(tmp_path)])
+    proc = subprocess.run([sys.executable, "-c", _SETUP_WITHOUT_WHEEL, *args], cwd=repo_root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "pip install wheel" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # stopped before building anything
