@@ -33,7 +33,7 @@ PASSES: list[str] = [
     "paddle_hybrid.send_wait.rewrite:SendWaitPass",
 ]
 
-VERIFIED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_META_OPTIMIZERS=0 (PluginConfig(register_meta_optimizers=False))"
 _COMPONENT = "paddle_hybrid.registration"
 

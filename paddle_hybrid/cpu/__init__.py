@@ -24,7 +24,7 @@ concern                    what it fixes (details in the module's docstring)
 
 When: ``PluginConfig.cpu_hybrid`` ("auto": only when Paddle is not compiled
 with CUDA; "on": always; "off": never).  The patches are written against
-Paddle 3.3.x; on another version the registry (:mod:`paddle_hybrid._install`) skips them with a
+Paddle 3.3.x and checked on 3.2.x; on another version the registry (:mod:`paddle_hybrid._install`) skips them with a
 warning unless forced (``PADDLE_HYBRID_FORCE=cpu``).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..patching import Patcher, PatchSignatureError
 __all__ = ["skip_reason", "apply", "is_active", "patched", "VERIFIED_PADDLE", "SWITCH", "CONCERNS",
            "PatchSignatureError"]
 
-VERIFIED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_CPU_HYBRID=off (PluginConfig(cpu_hybrid='off'))"
 
 # Applied in this order (groups before p2p, which sends through them; p2p before

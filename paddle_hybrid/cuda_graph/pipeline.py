@@ -19,7 +19,7 @@ It also applies ``PluginConfig.cuda_malloc_async``: Paddle reads
 built, so the flag is set at ``import paddle_hybrid`` (before any GPU tensor
 exists, if the plugin is imported first) and restored at uninstall.
 
-Verified on Paddle 3.3.x; on another version the registry skips it with a warning.
+Verified on Paddle 3.2.x and 3.3.x; on another version the registry skips it with a warning.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import warnings
 
 __all__ = ["skip_reason", "apply", "is_active", "VERIFIED_PADDLE", "SWITCH", "graphed_layers"]
 
-VERIFIED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = ("PADDLE_HYBRID_PIPELINE_CUDAGRAPH=0 and PADDLE_HYBRID_CUDA_MALLOC_ASYNC=0 "
           "(PluginConfig(pipeline_cudagraph=False, cuda_malloc_async=False))")
 

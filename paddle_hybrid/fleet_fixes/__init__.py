@@ -10,7 +10,7 @@ fix                           what it fixes (details in the module docstring)
 ============================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
-against Paddle 3.3.x; on another version the registry skips them with a warning.
+against Paddle 3.2.x and 3.3.x; on another version the registry skips them with a warning.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ..patching import Patcher, PatchSignatureError
 
 __all__ = ["skip_reason", "apply", "is_active", "FIXES", "VERIFIED_PADDLE", "SWITCH", "PatchSignatureError"]
 
-VERIFIED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_FLEET_FIXES=0 (PluginConfig(fleet_fixes=False))"
 FIXES = ["shared_weight_norm", "no_pipeline_dp"]
 

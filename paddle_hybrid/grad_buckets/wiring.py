@@ -33,7 +33,7 @@ from .sync import GradBuckets, all_bucket_sets, buckets_for_params, is_bucketed
 
 __all__ = ["attach_buckets", "buckets_of", "VERIFIED_PADDLE", "SWITCH", "skip_reason", "apply"]
 
-VERIFIED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_GRAD_BUCKETS=0 (PluginConfig(grad_buckets=False))"
 ATTR = "_ph_grad_buckets"
 

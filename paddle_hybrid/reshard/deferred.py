@@ -37,7 +37,7 @@ __all__ = ["skip_reason", "apply", "is_installed", "VERIFIED_PADDLE", "SWITCH", 
 COMPONENT = "paddle_hybrid.reshard"
 """The registry's name of this component (the package re-exports its interface)."""
 
-# sha256 of the sources the patch was written and tested against (Paddle 3.3.1):
+# sha256 of the sources the patch was written and tested against (Paddle 3.3.1; 3.2.2 hashes the same):
 # the whole reshard module (every insert/remove path runs under the deferral)
 # and process_group.new_process_group (whose lookups are indexed).
 EXPECTED_SOURCES = {
@@ -140,7 +140,7 @@ def _make_wrapper(original):
     return reshard
 
 
-VERIFIED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_RESHARD_DEFERRED_SYNC=0 (PluginConfig(reshard_deferred_sync=False))"
 
 

@@ -51,7 +51,7 @@ def events() -> list:
 
 # -- the plugin component: PluginConfig.timeline turns recording on at import --------------
 
-VERIFIED_PADDLE = ("3.3.",)
+VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_TIMELINE=0 (PluginConfig(timeline=False))"
 
 

@@ -30,15 +30,26 @@ def test_pp2_clipped_like_one_process_only_with_the_fix(repo_root, tmp_path):
     assert np.abs(stock - one).max() > 1e-4, (stock, one)
 
 
+def _has_no_pipeline_parallel() -> bool:
+    from paddle.distributed.fleet.meta_parallel import pipeline_parallel
+
+    return hasattr(pipeline_parallel, "NoPipelineParallel")
+
+
 def test_one_stage_pipeline_layer_under_dp_averages_gradients(repo_root, tmp_path):
-    """--pp 1 --dp 2: fleet wraps the PipelineLayer in NoPipelineParallel and nobody syncs
+    """--pp 1 --dp 2: fleet 3.3 wraps the PipelineLayer in NoPipelineParallel and nobody syncs
     the gradients (stock: the two replicas step on their own gradients; the loss of the
-    global batch drifts from one process from step 2).  With the fix: rtol 1e-5."""
+    global batch drifts from one process from step 2).  With the fix: rtol 1e-5.  Paddle 3.2
+    has no NoPipelineParallel (fleet wraps the layer in DataParallel, whose reducer syncs), so
+    there stock is right too and the fix patches nothing."""
     one = _losses(repo_root, tmp_path, 1, ["--pp", "1", "--accumulate-steps", "4"])
     dp = ["--pp", "1", "--dp", "2", "--accumulate-steps", "2"]
     np.testing.assert_allclose(_losses(repo_root, tmp_path, 2, dp), one, rtol=1e-5)
     stock = _losses(repo_root, tmp_path, 2, dp, env={"PADDLE_HYBRID_FLEET_FIXES": "0"})
-    assert np.abs(stock - one).max() > 1e-3, (stock, one)
+    if _has_no_pipeline_parallel():
+        assert np.abs(stock - one).max() > 1e-3, (stock, one)
+    else:
+        np.testing.assert_allclose(stock, one, rtol=1e-5)
 
 
 @pytest.fixture
@@ -58,10 +69,12 @@ def test_install_and_uninstall_restore(plugin_off):
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (
         HybridParallelOptimizer,
     )
-    from paddle.distributed.fleet.meta_parallel.pipeline_parallel import NoPipelineParallel
+    from paddle.distributed.fleet.meta_parallel import pipeline_parallel
 
-    targets = [(pp_layers.PipelineLayer, "_synchronize_shared_weights"), (NoPipelineParallel, "__init__"),
+    targets = [(pp_layers.PipelineLayer, "_synchronize_shared_weights"),
                (HybridParallelOptimizer, "_hybrid_sync_grad")]
+    if _has_no_pipeline_parallel():  # Paddle 3.3 (3.2 has no such class, nothing to fix)
+        targets.append((pipeline_parallel.NoPipelineParallel, "__init__"))
 
     def current():
         return [vars(owner).get(name) for owner, name in targets]

@@ -55,7 +55,7 @@ def test_unverified_paddle_refused(monkeypatch):
     import pytest
 
     monkeypatch.setattr(paddle, "__version__", "9.9.0")
-    with pytest.raises(RuntimeError, match="verified on Paddle 3.3.x, this is 9.9.0; not recording"):
+    with pytest.raises(RuntimeError, match="verified on Paddle 3.2.x/3.3.x, this is 9.9.0; not recording"):
         timeline.enable()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
