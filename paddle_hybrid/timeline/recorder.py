@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 
 __all__ = ["Recorder", "RECORDER", "install_hooks", "remove_hooks", "hooks_installed"]
@@ -146,13 +147,19 @@ def _wrap_train_batch(orig):
 
 
 def _wrap_compute(orig, cat, letter):
+    has_chunk = "chunk_id" in inspect.signature(orig).parameters
+
     @functools.wraps(orig)
     def step(self, *args, **kwargs):
         chunk = kwargs.get("chunk_id")
         if chunk is None and cat == "forward" and len(args) > 2:
             chunk = args[2]  # _forward_step(input_tensor, micro_dataset, chunk_id, ...)
-        if chunk is None and cat == "backward" and len(args) > 3:
+        if chunk is None and cat == "backward" and has_chunk and len(args) > 3:
             chunk = args[3]  # _backward_step(input_tensor, output_tensor, output_tensor_grad, chunk_id, ...)
+        if chunk is None and cat == "backward" and not has_chunk and getattr(self, "num_model_chunks", 1) > 1:
+            # Paddle 3.2's _backward_step has no chunk_id; its interleaved schedules call
+            # set_virtual_pipeline_rank(chunk) just before
+            chunk = getattr(self, "_virtual_pp_rank", None)
         micro = RECORDER.next_micro(cat, chunk)
         with RECORDER.span(cat, letter, micro=micro, chunk=chunk):
             return orig(self, *args, **kwargs)
@@ -234,10 +241,11 @@ def install_hooks() -> None:
                              f"{cls.__name__}.train_batch")
     patcher.check_params(base._forward_step, ["self", "input_tensor", "micro_dataset", "chunk_id", "step_id",
                                               "overlap_schedule_mode"], "PipelineParallel._forward_step")
-    patcher.check_params(base._backward_step, ["self", "input_tensor", "output_tensor", "output_tensor_grad",
-                                               "chunk_id", "step_id", "overlap_schedule_mode", "schedule_chunk",
-                                               "loss_fn_node"],
-                         "PipelineParallel._backward_step")
+    backward_params = ["self", "input_tensor", "output_tensor", "output_tensor_grad", "chunk_id", "step_id",
+                       "overlap_schedule_mode", "schedule_chunk", "loss_fn_node"]
+    if "chunk_id" not in inspect.signature(base._backward_step).parameters:
+        backward_params.remove("chunk_id")  # Paddle 3.2
+    patcher.check_params(base._backward_step, backward_params, "PipelineParallel._backward_step")
     patcher.check_params(p2p._p2p_helper, ["tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next",
                                            "sync_recv", "send_recv_meta", "batch_p2p_comm", "wait_on_reqs",
                                            "dynamic_shape"], "p2p_communication._p2p_helper")
