@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .layout_check import DEFAULT_TIMEOUT as _LAYOUT_CHECK_TIMEOUT
+
 __all__ = ["PluginConfig"]
 
 
@@ -84,7 +86,7 @@ class PluginConfig:
     """Let fleet apply the plugin's static fused all_reduce meta optimizer
     (:mod:`paddle_hybrid.fused_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``)."""
 
-    static_layout_check_timeout: float = 120.0
+    static_layout_check_timeout: float = _LAYOUT_CHECK_TIMEOUT
     """Seconds the cross-rank gradient-layout check of a static data-parallel program waits for
     the other ranks before raising, > 0 (``PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT``)."""
 
@@ -145,7 +147,7 @@ class PluginConfig:
             grad_buckets=_env_bool("PADDLE_HYBRID_GRAD_BUCKETS", True),
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
             static_fuse_allreduce=_env_bool("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE", True),
-            static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", 120.0),
+            static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", _LAYOUT_CHECK_TIMEOUT),
             pipeline_cudagraph=_env_bool("PADDLE_HYBRID_PIPELINE_CUDAGRAPH", True),
             cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
             cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),

@@ -152,7 +152,7 @@ def test_rank_killed_mid_backward_others_fail_fast():
 
 
 def test_many_gloo_groups_created_back_to_back_all_work():
-    """Fix 5: each new gloo group rendezvouses on its own store.  11 rounds of 9 groups on 3
+    """The ``groups`` concern: each new gloo group rendezvouses on its own store.  11 rounds of 9 groups on 3
     ranks (99 creations in one launch) each reduce correctly on every member, and the stores
     of destroyed groups are released (each round holds only its own groups' stores).
 
