@@ -277,23 +277,11 @@ def coalesce_tensor(
     them).  Under PIR this raises :class:`PirAliasingError` (see module doc).
     """
     ts = _check_tensors(tensors, "coalesce_tensor")
-    if dtype is None:
-        names = [dtype_name(t.dtype) for t in ts]
-        for i, n in enumerate(names):
-            if n != names[0]:
-                raise ValueError(
-                    f"paddle_hybrid.ops.coalesce_tensor: tensor {i} is {n} but tensor 0 is "
-                    f"{names[0]}; pass dtype= explicitly or coalesce each dtype separately."
-                )
-        dtype = names[0]
-    attrs = coalesce_attrs(dtype, copy_data, set_constant, constant, use_align, align_size)
+    # checks: one dtype, and with copy_data the bytes can be copied as they are
+    attrs = coalesce_attrs(_common_dtype(ts) if dtype is None else dtype, copy_data, set_constant, constant,
+                           use_align, align_size)
     if copy_data:
-        for i, t in enumerate(ts):
-            if dtype_name(t.dtype) != attrs["dtype"]:
-                raise ValueError(
-                    f"paddle_hybrid.ops.coalesce_tensor: tensor {i} is {dtype_name(t.dtype)} but "
-                    f"dtype={attrs['dtype']}; copy_data=True copies bytes, so cast it first."
-                )
+        _check_copyable(ts, attrs["dtype"])
     mode = _mode()
     if mode == "pir":
         raise PirAliasingError(
@@ -303,25 +291,48 @@ def coalesce_tensor(
             "FLAGS_enable_pir_api=0) or use dygraph; in a PIR program use Paddle's built-in "
             "paddle._C_ops.coalesce_tensor."
         )
-    args = [
-        attrs["dtype"],
-        attrs["copy_data"],
-        attrs["set_constant"],
-        attrs["constant"],
-        attrs["use_align"],
-        attrs["align_size"],
-    ]
     if mode == "dygraph":
-        if copy_data:
-            for i, t in enumerate(ts):
-                if math.prod(t.shape) > 0 and not t._is_initialized():
-                    raise ValueError(
-                        f"paddle_hybrid.ops.coalesce_tensor: tensor {i} is not initialised but "
-                        "copy_data=True; initialise it or pass copy_data=False."
-                    )
-        with paddle.no_grad(), _InplaceAllowed(ts):
-            res = _C_ops._run_custom_op(COALESCE_OP, ts, *args)
-        return list(ts), res[-1]
+        return list(ts), _coalesce_dygraph(ts, attrs)
+    return list(ts), _append_coalesce_op(ts, attrs)
+
+
+def _common_dtype(ts) -> str:
+    names = [dtype_name(t.dtype) for t in ts]
+    for i, n in enumerate(names):
+        if n != names[0]:
+            raise ValueError(
+                f"paddle_hybrid.ops.coalesce_tensor: tensor {i} is {n} but tensor 0 is "
+                f"{names[0]}; pass dtype= explicitly or coalesce each dtype separately."
+            )
+    return names[0]
+
+
+def _check_copyable(ts, dtype: str) -> None:
+    for i, t in enumerate(ts):
+        if dtype_name(t.dtype) != dtype:
+            raise ValueError(
+                f"paddle_hybrid.ops.coalesce_tensor: tensor {i} is {dtype_name(t.dtype)} but "
+                f"dtype={dtype}; copy_data=True copies bytes, so cast it first."
+            )
+
+
+def _coalesce_dygraph(ts, attrs):
+    """Run the op now: the inputs themselves become the views; returns the fused buffer."""
+    if attrs["copy_data"]:
+        for i, t in enumerate(ts):
+            if math.prod(t.shape) > 0 and not t._is_initialized():
+                raise ValueError(
+                    f"paddle_hybrid.ops.coalesce_tensor: tensor {i} is not initialised but "
+                    "copy_data=True; initialise it or pass copy_data=False."
+                )
+    args = [attrs[k] for k in ("dtype", "copy_data", "set_constant", "constant", "use_align", "align_size")]
+    with paddle.no_grad(), _InplaceAllowed(ts):
+        res = _C_ops._run_custom_op(COALESCE_OP, ts, *args)
+    return res[-1]
+
+
+def _append_coalesce_op(ts, attrs):
+    """Legacy static: append the op to the current block; returns the fused variable."""
     block = framework.default_main_program().current_block()
     fused = block.create_var(
         name=paddle.utils.unique_name.generate("ph_coalesce_fused"),
@@ -336,7 +347,7 @@ def coalesce_tensor(
         outputs={COALESCE_OUT: ts, COALESCE_FUSED: [fused]},
         attrs=attrs,
     )
-    return list(ts), fused
+    return fused
 
 
 # --------------------------------------------------------------------------- uncoalesce_tensor
