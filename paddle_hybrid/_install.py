@@ -167,7 +167,9 @@ def _check_forced_names(config: PluginConfig) -> None:
                          f"{unknown}, which are not components; use some of {sorted(known)}.")
 
 
-def _rollback() -> None:
+def _undo_all() -> list[str]:
+    """Undo every installed component, newest first, each even if an earlier undo failed;
+    returns the failures."""
     global _config
     failures = []
     while _states:
@@ -175,8 +177,15 @@ def _rollback() -> None:
         try:
             _undo(state)
         except Exception as exc:  # keep undoing the rest
-            failures.append(f"{state.path}: {exc}")
+            failures.append(f"{state.path}: {exc!r}")
     _config = None
+    return failures
+
+
+def _rollback() -> None:
+    """After a failed install: undo, and warn about what could not be undone (the install
+    error is the one raised)."""
+    failures = _undo_all()
     if failures:
         warnings.warn("paddle_hybrid: could not undo " + "; ".join(failures), RuntimeWarning, stacklevel=3)
 
@@ -184,18 +193,10 @@ def _rollback() -> None:
 def uninstall() -> None:
     """Undo every installed component, newest first; the next :func:`install` reads the
     environment again."""
-    global _config
     with _lock:
-        errors = []
-        while _states:
-            _, state = _states.popitem()
-            try:
-                _undo(state)
-            except Exception as exc:  # keep undoing the rest
-                errors.append(f"{state.path}: {exc!r}")
-        _config = None
-        if errors:
-            raise RuntimeError("paddle_hybrid.uninstall: " + "; ".join(errors))
+        failures = _undo_all()
+        if failures:
+            raise RuntimeError("paddle_hybrid.uninstall: " + "; ".join(failures))
 
 
 def install_component(name: str, config: PluginConfig | None = None) -> ComponentState:
