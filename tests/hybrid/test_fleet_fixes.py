@@ -71,10 +71,9 @@ def test_install_and_uninstall_restore(plugin_off):
     )
     from paddle.distributed.fleet.meta_parallel import pipeline_parallel
 
-    targets = [(pp_layers.PipelineLayer, "_synchronize_shared_weights"),
-               (HybridParallelOptimizer, "_hybrid_sync_grad")]
-    if _has_no_pipeline_parallel():  # Paddle 3.3 (3.2 has no such class, nothing to fix)
-        targets.append((pipeline_parallel.NoPipelineParallel, "__init__"))
+    targets = [(pp_layers.PipelineLayer, "_synchronize_shared_weights")]
+    if _has_no_pipeline_parallel():  # Paddle 3.3 (3.2 has no such class: no_pipeline_dp fixes nothing)
+        targets += [(pipeline_parallel.NoPipelineParallel, "__init__"), (HybridParallelOptimizer, "_hybrid_sync_grad")]
 
     def current():
         return [vars(owner).get(name) for owner, name in targets]
