@@ -85,7 +85,7 @@ def _p2p_patched(patcher, p2p) -> bool:
 
 def _holds_assertion(cls, orig) -> bool:
     """The class's own ``_check_sanity`` still contains the check this concern lifts
-    (source unavailable: trust the version check of :func:`paddle_hybrid.cpu.install`)."""
+    (source unavailable: trust the registry's version check, ``paddle_hybrid.cpu.VERIFIED_PADDLE``)."""
     import inspect
 
     if "_check_sanity" not in vars(cls):
