@@ -26,9 +26,9 @@ bucketed gradients, so they stay aliases of the buffers), ``Tensor.backward`` an
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 
+from ..pipeline_chunk import backward_chunk, takes_chunk_id
 from . import backward_end
 from .sync import GradBuckets, all_bucket_sets, buckets_for_params, is_bucketed
 
@@ -128,16 +128,10 @@ def _wire_pipeline(model, buckets) -> None:
     """Mark each chunk's last microbatch; finish the sync after the schedule."""
     buckets.is_last_microbatch = False
     seen: dict = {}  # model chunk -> backward steps run in this schedule
-    has_chunk_id = "chunk_id" in inspect.signature(type(model)._backward_step).parameters
-
-    def _chunk(args, kwargs):
-        if has_chunk_id:  # Paddle 3.3: _backward_step(input, output, output_grad, chunk_id, ...)
-            return kwargs.get("chunk_id", args[3] if len(args) > 3 else None)
-        # Paddle 3.2 passes no chunk; its interleaved schedules set the virtual rank just before
-        return getattr(model, "_virtual_pp_rank", None) if getattr(model, "num_model_chunks", 1) > 1 else None
+    with_chunk_id = takes_chunk_id(type(model)._backward_step)
 
     def _backward_step(*args, **kwargs):
-        chunk = _chunk(args, kwargs)
+        chunk = backward_chunk(model, args, kwargs, with_chunk_id)
         seen[chunk] = seen.get(chunk, 0) + 1
         buckets.is_last_microbatch = seen[chunk] == model.accumulate_steps
         try:

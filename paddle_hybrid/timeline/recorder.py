@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import time
+
+from ..pipeline_chunk import backward_chunk, takes_chunk_id
 
 __all__ = ["Recorder", "RECORDER", "install_hooks", "remove_hooks", "hooks_installed"]
 
@@ -147,19 +148,15 @@ def _wrap_train_batch(orig):
 
 
 def _wrap_compute(orig, cat, letter):
-    has_chunk = "chunk_id" in inspect.signature(orig).parameters
+    with_chunk_id = takes_chunk_id(orig)
 
     @functools.wraps(orig)
     def step(self, *args, **kwargs):
         chunk = kwargs.get("chunk_id")
         if chunk is None and cat == "forward" and len(args) > 2:
             chunk = args[2]  # _forward_step(input_tensor, micro_dataset, chunk_id, ...)
-        if chunk is None and cat == "backward" and has_chunk and len(args) > 3:
-            chunk = args[3]  # _backward_step(input_tensor, output_tensor, output_tensor_grad, chunk_id, ...)
-        if chunk is None and cat == "backward" and not has_chunk and getattr(self, "num_model_chunks", 1) > 1:
-            # Paddle 3.2's _backward_step has no chunk_id; its interleaved schedules call
-            # set_virtual_pipeline_rank(chunk) just before
-            chunk = getattr(self, "_virtual_pp_rank", None)
+        if chunk is None and cat == "backward":
+            chunk = backward_chunk(self, args, kwargs, with_chunk_id)
         micro = RECORDER.next_micro(cat, chunk)
         with RECORDER.span(cat, letter, micro=micro, chunk=chunk):
             return orig(self, *args, **kwargs)
@@ -243,7 +240,7 @@ def install_hooks() -> None:
                                               "overlap_schedule_mode"], "PipelineParallel._forward_step")
     backward_params = ["self", "input_tensor", "output_tensor", "output_tensor_grad", "chunk_id", "step_id",
                        "overlap_schedule_mode", "schedule_chunk", "loss_fn_node"]
-    if "chunk_id" not in inspect.signature(base._backward_step).parameters:
+    if not takes_chunk_id(base._backward_step):
         backward_params.remove("chunk_id")  # Paddle 3.2
     patcher.check_params(base._backward_step, backward_params, "PipelineParallel._backward_step")
     patcher.check_params(p2p._p2p_helper, ["tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next",
