@@ -17,7 +17,11 @@ Policy:
 * install is all or none: if a component raises, everything installed so far is undone and one
   :class:`InstallError` names the component, the cause and its switch;
 * :func:`uninstall` restores every original, newest first; the :func:`install` after it reads
-  the environment again.
+  the environment again;
+* two components may wrap one attribute, and either may be uninstalled first: the other's
+  wrapper keeps working (:mod:`paddle_hybrid.patching`, "Two owners of one attribute");
+* the device rule (:mod:`paddle_hybrid.device_rule`): a path that has never run on this build's
+  accelerator is off until opted in; :func:`report` lists each one.
 
 :func:`report` says what is active and why the rest is not; :func:`patches` lists every
 replaced attribute with its original, its replacement and the versions it was verified on.
@@ -65,6 +69,8 @@ class ComponentState:
     reason: str = ""
     patcher: Patcher | None = None
     verified: tuple = ()
+    config: PluginConfig | None = None
+    """The config it was installed with (``install_component`` may give one its own)."""
 
 
 _lock = threading.RLock()
@@ -107,11 +113,11 @@ def _install_one(path: str, config: PluginConfig) -> ComponentState:
     verified = tuple(module.VERIFIED_PADDLE)
     reason = module.skip_reason(config)
     if reason:
-        return ComponentState(path, "off", reason, verified=verified)
+        return ComponentState(path, "off", reason, verified=verified, config=config)
     ok, message = is_verified(path, config)
     if not ok:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return ComponentState(path, "skipped", message, verified=verified)
+        return ComponentState(path, "skipped", message, verified=verified, config=config)
     patcher = Patcher(path, module.SWITCH)
     try:
         module.apply(config, patcher)
@@ -119,11 +125,11 @@ def _install_one(path: str, config: PluginConfig) -> ComponentState:
         patcher.revert()
         message = f"{path}: {skipped} ({module.SWITCH} silences this)"
         warnings.warn(message, getattr(skipped, "category", RuntimeWarning), stacklevel=3)
-        return ComponentState(path, "skipped", message, verified=verified)
+        return ComponentState(path, "skipped", message, verified=verified, config=config)
     except BaseException:
         patcher.revert()
         raise
-    return ComponentState(path, "active", "", patcher, verified)
+    return ComponentState(path, "active", "", patcher, verified, config)
 
 
 def _undo(state: ComponentState) -> None:
@@ -139,7 +145,7 @@ def install(config: PluginConfig | None = None) -> PluginConfig:
     """
     global _config
     with _lock:
-        if _states:
+        if _config is not None:
             if config is not None and config != _config:
                 raise RuntimeError("paddle_hybrid is already installed with another config; call "
                                    "paddle_hybrid.uninstall() before installing with a new one.")
@@ -148,6 +154,8 @@ def install(config: PluginConfig | None = None) -> PluginConfig:
         _check_forced_names(config)
         _config = config
         for path in COMPONENTS:
+            if path in _states:  # installed on its own before (install_component, timeline.enable)
+                continue
             try:
                 _states[path] = _install_one(path, config)
             except BaseException as exc:
@@ -156,6 +164,7 @@ def install(config: PluginConfig | None = None) -> PluginConfig:
                 raise InstallError(
                     f"paddle_hybrid: installing {path} failed: {exc}. Nothing of the plugin is installed "
                     f"(every change was undone). {switch} turns this component off.") from exc
+        _reorder()
         return config
 
 
@@ -253,10 +262,15 @@ def patches() -> list[dict]:
 
 
 def report() -> str:
-    """One line per component: active (with how many changes) or why not."""
+    """One line per component: active (with how many changes) or why not; then the device rule:
+    one line per path that has never run on an accelerator, on or off on this build and why."""
     import paddle
 
-    lines = [f"paddle_hybrid on Paddle {paddle.__version__}:"]
+    from .device import accelerator_build
+    from .device_rule import describe
+
+    accelerator = accelerator_build()
+    lines = [f"paddle_hybrid on Paddle {paddle.__version__} ({accelerator or 'CPU-only'} build):"]
     for path in COMPONENTS:
         state = _states.get(path)
         if state is None:
@@ -264,7 +278,11 @@ def report() -> str:
         elif state.status == "active":
             n = len(state.patcher.changes()) if state.patcher else 0
             lines.append(f"  {short_name(path):22s} active: {n} Paddle attributes replaced "
-                         f"(verified on {describe_versions(state.verified)})")
+                         f"(verified on Paddle {describe_versions(state.verified)}, on CPU)")
         else:
             lines.append(f"  {short_name(path):22s} {state.status}: {state.reason}")
+    config = _config or PluginConfig.from_env()
+    where = f"never run on {accelerator}" if accelerator else "run and tested on CPU"
+    lines.append(f"device rule (paths written for accelerators, {where}):")
+    lines.extend("  " + line for line in describe(config, accelerator))
     return "\n".join(lines)

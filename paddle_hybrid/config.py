@@ -24,6 +24,14 @@ def _env_bool(name: str, default: bool) -> bool:
     raise ValueError(f"paddle_hybrid: environment variable {name}={raw!r} is not a boolean; use 1 or 0.")
 
 
+def _env_tristate(name: str) -> bool | None:
+    """Unset or empty: None (the device rule decides); otherwise a boolean."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return _env_bool(name, False)
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -58,10 +66,11 @@ class PluginConfig:
     """Legacy auto-parallel ``Resharder.reshard`` edits programs without a ``_sync_with_cpp``
     per inserted op (:mod:`paddle_hybrid.reshard`) (``PADDLE_HYBRID_RESHARD_DEFERRED_SYNC``)."""
 
-    pipeline_send_wait: bool = True
+    pipeline_send_wait: bool | None = None
     """With fleet ``strategy.pipeline`` (static), replace the waits for forward sends by a ``ph_nop``
     after the matching backward recv (:mod:`paddle_hybrid.send_wait`)
-    (``PADDLE_HYBRID_PIPELINE_SEND_WAIT``)."""
+    (``PADDLE_HYBRID_PIPELINE_SEND_WAIT``).  Tri-state (:mod:`paddle_hybrid.device_rule`): None
+    is on only on a build without an accelerator, True opts in everywhere, False is off."""
 
     cpu_hybrid: str = "auto"
     """Patch fleet so dygraph hybrid parallel runs on CPU over gloo (:mod:`paddle_hybrid.cpu`):
@@ -73,27 +82,36 @@ class PluginConfig:
     global-norm clipping with weights shared between pipeline stages; no data-parallel gradient
     sync for a one-stage ``PipelineLayer``) (``PADDLE_HYBRID_FLEET_FIXES``)."""
 
-    grad_buckets: bool = True
+    grad_buckets: bool | None = None
     """Let the fleet strategy's ``fuse_all_reduce_ops`` turn on the plugin's fused gradient
     buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.grad_buckets`); False keeps
-    Paddle's own gradient sync (``PADDLE_HYBRID_GRAD_BUCKETS``)."""
+    Paddle's own gradient sync (``PADDLE_HYBRID_GRAD_BUCKETS``).  Tri-state, as
+    ``pipeline_send_wait``."""
 
     grad_bucket_max_params: int = 0
     """Most parameters per gradient bucket, besides ``fuse_grad_size_in_MB``; 0 means no
     count limit (``PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS``)."""
 
-    static_fuse_allreduce: bool = True
+    static_fuse_allreduce: bool | None = None
     """Let fleet apply the plugin's static fused all_reduce meta optimizer
-    (:mod:`paddle_hybrid.fused_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``)."""
+    (:mod:`paddle_hybrid.fused_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``).  Tri-state,
+    as ``pipeline_send_wait``."""
 
     static_layout_check_timeout: float = _LAYOUT_CHECK_TIMEOUT
     """Seconds the cross-rank gradient-layout check of a static data-parallel program waits for
     the other ranks before raising, > 0 (``PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT``)."""
 
-    pipeline_cudagraph: bool = True
+    pipeline_cudagraph: bool | None = None
     """``PipelineLayer(use_cudagraph=True)`` builds the plugin's ``CUDAGraphedLayer`` (every
     parameter trained, one shared memory pool per model) instead of Paddle's
-    (:mod:`paddle_hybrid.cuda_graph.pipeline`) (``PADDLE_HYBRID_PIPELINE_CUDAGRAPH``)."""
+    (:mod:`paddle_hybrid.cuda_graph.pipeline`) (``PADDLE_HYBRID_PIPELINE_CUDAGRAPH``).  Tri-state,
+    as ``pipeline_send_wait``; it also decides whether ``CUDAGraphedLayer(backend="auto")`` may
+    pick the CUDA backend."""
+
+    allow_unrun: bool = False
+    """Opt in to every path of the device rule at once: on a CUDA, XPU or custom-device build,
+    the tri-state fields left at None act as True (``PADDLE_HYBRID_ALLOW_UNRUN``).  Those paths
+    were written against Paddle's documented API and executed only on CPU."""
 
     cuda_graph_warmup_steps: int = 3
     """Eager warmup runs before a pipeline layer's first graph capture, >= 0
@@ -118,6 +136,9 @@ class PluginConfig:
             value = getattr(self, f.name)
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise TypeError(f"PluginConfig.{f.name} must be a bool, got {value!r}.")
+            if f.type == "bool | None" and value is not None and not isinstance(value, bool):
+                raise TypeError(f"PluginConfig.{f.name} must be None (the device rule decides), True or "
+                                f"False, got {value!r}.")
         if not isinstance(self.force_unverified, tuple) or not all(isinstance(n, str) for n in self.force_unverified):
             raise TypeError("PluginConfig.force_unverified must be a tuple of component names, got "
                             f"{self.force_unverified!r} (PADDLE_HYBRID_FORCE).")
@@ -141,15 +162,16 @@ class PluginConfig:
         return cls(
             register_meta_optimizers=_env_bool("PADDLE_HYBRID_META_OPTIMIZERS", True),
             reshard_deferred_sync=_env_bool("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", True),
-            pipeline_send_wait=_env_bool("PADDLE_HYBRID_PIPELINE_SEND_WAIT", True),
+            pipeline_send_wait=_env_tristate("PADDLE_HYBRID_PIPELINE_SEND_WAIT"),
             cpu_hybrid=(os.environ.get("PADDLE_HYBRID_CPU_HYBRID") or "auto").strip().lower(),
             fleet_fixes=_env_bool("PADDLE_HYBRID_FLEET_FIXES", True),
-            grad_buckets=_env_bool("PADDLE_HYBRID_GRAD_BUCKETS", True),
+            grad_buckets=_env_tristate("PADDLE_HYBRID_GRAD_BUCKETS"),
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
-            static_fuse_allreduce=_env_bool("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE", True),
+            static_fuse_allreduce=_env_tristate("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE"),
             static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", _LAYOUT_CHECK_TIMEOUT),
-            pipeline_cudagraph=_env_bool("PADDLE_HYBRID_PIPELINE_CUDAGRAPH", True),
+            pipeline_cudagraph=_env_tristate("PADDLE_HYBRID_PIPELINE_CUDAGRAPH"),
             cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
+            allow_unrun=_env_bool("PADDLE_HYBRID_ALLOW_UNRUN", False),
             cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),
             timeline=_env_bool("PADDLE_HYBRID_TIMELINE", False),
             force_unverified=tuple(n.strip() for n in os.environ.get("PADDLE_HYBRID_FORCE", "").split(",")

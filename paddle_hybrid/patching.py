@@ -1,14 +1,71 @@
 """How a component changes Paddle: every change is recorded with its original, checked
-before it is made, and undone newest-first as a unit (:class:`Patcher`)."""
+before it is made, and undone newest-first as a unit (:class:`Patcher`).
+
+**Two owners of one attribute.**  Two components may wrap the same Paddle function (the fleet
+fixes and the gradient buckets both wrap ``HybridParallelOptimizer._hybrid_sync_grad``); the
+second wraps what it finds, which is the first one's replacement.  A blind ``setattr`` of the
+first one's original at its undo would then throw the second wrapper away while its component
+still reports itself active.  So every function a patcher installs is a *link*: a thin function
+that calls its implementation through a cell.  Undoing a link that something else has wrapped
+since (it is no longer the attribute's value) splices it out instead: the cell is pointed at what
+the link wrapped, and the wrapper above keeps working.  Undoing the wrapper above later restores
+the first original, by identity, following spliced links.  A non-function value that somebody
+else has replaced since cannot be spliced: its undo raises :class:`PatchConflictError` naming
+both.
+"""
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import threading
+import types
 
-__all__ = ["Patcher", "PatchSignatureError", "version_supported", "describe_versions"]
+__all__ = ["Patcher", "PatchSignatureError", "PatchConflictError", "version_supported", "describe_versions"]
 
 _MISSING = object()
+
+
+class PatchConflictError(RuntimeError):
+    """An attribute a patcher replaced was replaced again by something else, and the patcher's
+    value is not a function that can be spliced out of the chain."""
+
+
+def _make_link(implementation):
+    """A function that calls ``implementation`` through a cell (see the module docstring)."""
+    cell = [implementation]
+
+    @functools.wraps(implementation)
+    def link(*args, **kwargs):
+        return cell[0](*args, **kwargs)
+
+    link._ph_link_cell = cell
+    link._ph_spliced = False
+    return link
+
+
+def _is_link(value) -> bool:
+    return callable(value) and hasattr(value, "_ph_link_cell")
+
+
+def _splice_out(link, below) -> None:
+    """Make ``link`` call ``below`` (what it wrapped) from now on."""
+    link._ph_link_cell[0] = below
+    link.__wrapped__ = below
+    link._ph_spliced = True
+
+
+def _resolve_original(original):
+    """Follow links that were spliced out: they only forward to what they wrapped."""
+    while _is_link(original) and original._ph_spliced:
+        original = original._ph_link_cell[0]
+    return original
+
+
+def _current(owner, name):
+    if isinstance(owner, type):
+        return owner.__dict__.get(name, _MISSING)
+    return getattr(owner, name, _MISSING)
 
 
 class PatchSignatureError(RuntimeError):
@@ -64,13 +121,13 @@ class Patcher:
         return getattr(owner, name)
 
     def set(self, owner, name: str, value) -> None:
+        """Replace ``owner.name`` by ``value``; a plain function is installed as a link (see the
+        module docstring), so another component may wrap it and either may be undone first."""
         with self._lock:
-            if isinstance(owner, type):
-                original = owner.__dict__.get(name, _MISSING)
-            else:
-                original = getattr(owner, name, _MISSING)
-            self._saved.append((owner, name, original, value))
-            setattr(owner, name, value)
+            original = _current(owner, name)
+            installed = _make_link(value) if isinstance(value, types.FunctionType) else value
+            self._saved.append((owner, name, original, installed))
+            setattr(owner, name, installed)
 
     def on_revert(self, undo, what: str) -> None:
         """Run ``undo()`` at :meth:`revert`, in the same newest-first order as the attribute
@@ -84,19 +141,28 @@ class Patcher:
         failures = []
         with self._lock:
             while self._saved:
-                owner, name, original, _ = self._saved.pop()
+                owner, name, original, installed = self._saved.pop()
                 try:
-                    self._undo(owner, name, original)
+                    self._undo(owner, name, original, installed)
                 except Exception as exc:  # keep undoing the rest, report below
                     failures.append(f"{name}: {exc!r}")
         if failures:
             raise RuntimeError(f"{self.component}: could not undo " + "; ".join(failures))
 
-    @staticmethod
-    def _undo(owner, name, original) -> None:
+    def _undo(self, owner, name, original, installed) -> None:
         if owner is None:
             original()
-        elif original is _MISSING:
+            return
+        original = _resolve_original(original)
+        if _current(owner, name) is not installed:
+            # Wrapped again since, by another component: leave its wrapper in place.
+            if _is_link(installed) and original is not _MISSING:
+                _splice_out(installed, original)
+                return
+            raise PatchConflictError(
+                f"{self.component}: {getattr(owner, '__name__', owner)}.{name} was replaced again after this "
+                "component replaced it, and its value cannot be spliced out; undo the later change first.")
+        if original is _MISSING:
             if name in vars(owner):
                 delattr(owner, name)
         else:

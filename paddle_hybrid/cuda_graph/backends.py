@@ -33,6 +33,7 @@ __all__ = [
     "EagerEmulationBackend",
     "resolve_backend",
     "cuda_graphs_available",
+    "auto_backend_name",
 ]
 
 
@@ -45,6 +46,40 @@ def cuda_graphs_available() -> bool:
     except ImportError:  # pragma: no cover - older Paddle
         return False
     return bool(is_cuda_graph_supported())
+
+
+_warned_unrun = False
+
+
+def auto_backend_name(config=None) -> str:
+    """What ``backend="auto"`` picks, by where the run is, not by how Paddle was compiled.
+
+    ``"cuda"`` only when the run is on a GPU that Paddle can capture on *and* the device rule
+    lets the never-executed CUDA backend run (``pipeline_cudagraph=True`` or ``allow_unrun``);
+    a GPU run without that opt-in gets the emulation, with one warning saying how to opt in.
+    Otherwise (a CPU run, also on a CUDA build) the emulation.
+    """
+    global _warned_unrun
+    from ..device import running_on_cpu
+    from ..device_rule import decide, opt_in_hint
+
+    if running_on_cpu() or not cuda_graphs_available():
+        return "emulation"
+    if config is None:
+        from .._install import current_config
+        from ..config import PluginConfig
+
+        config = current_config() or PluginConfig.from_env()
+    if decide(config, "pipeline_cudagraph").on:
+        return "cuda"
+    if not _warned_unrun:
+        _warned_unrun = True
+        import warnings
+
+        warnings.warn("paddle_hybrid: CUDAGraphedLayer(backend='auto') uses the eager emulation on this GPU run: "
+                      "the CUDA-graph backend is written but has never run on a GPU; "
+                      + opt_in_hint("pipeline_cudagraph") + ".", RuntimeWarning, stacklevel=4)
+    return "emulation"
 
 
 class CapturedGraph:
@@ -190,12 +225,12 @@ class CudaGraphBackend(GraphBackend):
 
 
 def resolve_backend(backend) -> GraphBackend:
-    """``"auto"`` (CUDA when available, else the emulation), ``"cuda"``,
-    ``"emulation"`` or a :class:`GraphBackend` instance."""
+    """``"auto"`` (see :func:`auto_backend_name`), ``"cuda"``, ``"emulation"`` or a
+    :class:`GraphBackend` instance."""
     if isinstance(backend, GraphBackend):
         return backend
     if backend == "auto":
-        return CudaGraphBackend() if cuda_graphs_available() else EagerEmulationBackend()
+        return CudaGraphBackend() if auto_backend_name() == "cuda" else EagerEmulationBackend()
     if backend == "cuda":
         return CudaGraphBackend()
     if backend == "emulation":

@@ -19,7 +19,10 @@ It also applies ``PluginConfig.cuda_malloc_async``: Paddle reads
 built, so the flag is set at ``import paddle_hybrid`` (before any GPU tensor
 exists, if the plugin is imported first) and restored at uninstall.
 
-Verified on Paddle 3.2.x and 3.3.x; on another version the registry skips it with a warning.
+Run on CPU only, with the eager emulation backend, on Paddle 3.2.x and 3.3.x: the CUDA backend
+and the malloc flag were written against Paddle's documented API and never executed.  On a build
+with an accelerator the device rule (:mod:`paddle_hybrid.device_rule`) keeps the graphs off until
+``pipeline_cudagraph=True`` or ``allow_unrun=True``; ``cuda_malloc_async`` is off unless set.
 """
 from __future__ import annotations
 
@@ -138,13 +141,18 @@ def _set_malloc_async(config, patcher):
 
 
 def skip_reason(config):
-    if not config.pipeline_cudagraph and not config.cuda_malloc_async:
-        return "switched off (pipeline_cudagraph=False, cuda_malloc_async=False)"
+    from ..device_rule import decide
+
+    graphs = decide(config, "pipeline_cudagraph")
+    if not graphs.on and not config.cuda_malloc_async:
+        return graphs.reason + "; cuda_malloc_async=False"
     return None
 
 
 def apply(config, patcher) -> None:
-    if config.pipeline_cudagraph:
+    from ..device_rule import decide
+
+    if decide(config, "pipeline_cudagraph").on:
         pp = _pp_layers()
         build = patcher.require(pp.PipelineLayer, "_build_layer_impl", "PipelineLayer")
         patcher.require(pp, "CUDAGraphedLayer", "pp_layers")

@@ -60,10 +60,11 @@ class FusedAllreduceOptimizer(MetaOptimizerBase):
         return int(self.role_maker._worker_num())
 
     def _can_apply(self):
-        from paddle_hybrid import current_config
+        from .._install import current_config
+        from ..device_rule import decide
 
         cfg = current_config()
-        if cfg is not None and not cfg.static_fuse_allreduce:
+        if cfg is None or not decide(cfg, "static_fuse_allreduce").on:
             return False
         s = self.user_defined_strategy
         if not self.role_maker._is_collective or self._nranks() <= 1:

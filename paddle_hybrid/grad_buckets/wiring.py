@@ -203,7 +203,10 @@ def _make_clear_gradient(orig, config):
 
 
 def skip_reason(config):
-    return None if config.grad_buckets else "switched off (grad_buckets=False)"
+    from ..device_rule import decide
+
+    decision = decide(config, "grad_buckets")
+    return None if decision.on else decision.reason
 
 
 def apply(config, patcher) -> None:

@@ -28,9 +28,10 @@ class PipelineSendWaitOptimizer(MetaOptimizerBase):
 
     def _can_apply(self):
         from .._install import current_config
+        from ..device_rule import decide
 
         config = current_config()
-        if config is None or not config.pipeline_send_wait:
+        if config is None or not decide(config, "pipeline_send_wait").on:
             return False
         if not self.role_maker._is_collective:
             return False

@@ -19,29 +19,46 @@ from __future__ import annotations
 import os
 import socket
 
-from .recorder import RECORDER, hooks_installed, install_hooks, remove_hooks
+from .recorder import RECORDER, install_hooks
 
 __all__ = ["enable", "disable", "is_enabled", "events", "finish", "skip_reason", "apply", "RECORDER",
            "VERIFIED_PADDLE", "SWITCH"]
 
 
 def enable() -> None:
-    """Start recording every following ``train_batch`` of a fleet pipeline model."""
-    from .._install import is_verified
+    """Start recording every following ``train_batch`` of a fleet pipeline model.
 
+    The hooks are the timeline component of the registry (installed with ``timeline=True``), so
+    ``paddle_hybrid.patches()`` lists them and ``paddle_hybrid.uninstall()`` removes them."""
+    import dataclasses
+
+    from .._install import component_state, current_config, install_component, is_verified
+    from ..config import PluginConfig
+
+    if is_enabled():
+        return
     ok, message = is_verified(__name__)
     if not ok:
         raise RuntimeError(message.replace("skipped", "not recording"))
-    install_hooks()
+    config = dataclasses.replace(current_config() or PluginConfig.from_env(), timeline=True)
+    install_component(__name__, config)
+    state = component_state(__name__)
+    if state.status != "active":
+        raise RuntimeError(f"paddle_hybrid.timeline: not recording: {state.reason}")
 
 
 def disable() -> None:
     """Stop recording (the events recorded so far stay in :data:`RECORDER`)."""
-    remove_hooks()
+    from .._install import uninstall_component
+
+    uninstall_component(__name__)
 
 
 def is_enabled() -> bool:
-    return hooks_installed()
+    from .._install import component_state
+
+    state = component_state(__name__)
+    return state is not None and state.status == "active"
 
 
 def events() -> list:
@@ -60,8 +77,7 @@ def skip_reason(config):
 
 
 def apply(config, patcher) -> None:
-    install_hooks()
-    patcher.on_revert(remove_hooks, "timeline recording hooks")
+    install_hooks(patcher)
 
 
 # -- gathering ---------------------------------------------------------------------------

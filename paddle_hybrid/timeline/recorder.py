@@ -1,8 +1,8 @@
 """Per-rank recording of a pipeline step: every forward and backward of every microbatch
 (and VP chunk), every p2p exchange, the gradient sync and the optimizer update.
 
-Recording hooks (through :class:`paddle_hybrid.patching.Patcher`, written against Paddle
-3.3.1, undone by :func:`remove`):
+Recording hooks (through the timeline component's :class:`paddle_hybrid.patching.Patcher`,
+written against Paddle 3.3.1, undone by the registry):
 
 - ``train_batch`` of ``PipelineParallel`` and ``PipelineParallelWithInterleave`` (1F1B,
   interleaved and F-then-B schedules): opens and closes a step; nothing is recorded outside.
@@ -15,10 +15,12 @@ Recording hooks (through :class:`paddle_hybrid.patching.Patcher`, written agains
   up to its ``_step``: ``grad_sync`` (shared weights across stages; data-parallel gradients,
   fleet's or the plugin's buckets); ``HybridParallelOptimizer._step``: ``optimizer``.
 
-Clocks: on CPU the wall clock (``time.perf_counter``), read when an event starts and ends.
-With CUDA, device events recorded on the current stream and turned into seconds after the
-step (one synchronize per step), so a span is the device time of the work it launched
-(written against Paddle's documented ``paddle.device.Event``; no GPU build ran here).
+Clocks, chosen by where the run is (:func:`choose_clock`), not by how Paddle was compiled: on a
+CPU run the wall clock (``time.perf_counter``), read when an event starts and ends.  On a GPU
+run, device events recorded on the current stream and turned into seconds after the step (one
+synchronize per step), so a span is the device time of the work it launched: written against
+Paddle's documented ``paddle.device.Event`` and never executed (no GPU build ran here), so it
+is used only on an explicit opt-in to the timeline, with a warning.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import time
 
 from ..pipeline_chunk import backward_chunk, takes_chunk_id
 
-__all__ = ["Recorder", "RECORDER", "install_hooks", "remove_hooks", "hooks_installed"]
+__all__ = ["Recorder", "RECORDER", "install_hooks", "choose_clock"]
 
 
 class _WallClock:
@@ -63,6 +65,22 @@ class _CudaEventClock:
         return [wall + anchor.elapsed_time(m) / 1000.0 for m in marks]
 
 
+def choose_clock():
+    """The wall clock on a CPU run; CUDA events on a GPU run (never executed: warned)."""
+    import warnings
+
+    import paddle
+
+    from ..device import running_on_cpu
+
+    if running_on_cpu() or not paddle.is_compiled_with_cuda():
+        return _WallClock()
+    warnings.warn("paddle_hybrid.timeline: recording with CUDA events, a clock written against Paddle's documented "
+                  "API that has never run on a GPU; check the first trace against wall-clock step times.",
+                  RuntimeWarning, stacklevel=3)
+    return _CudaEventClock()
+
+
 class Recorder:
     """Events of this rank: dicts ``{rank, step, name, cat, start, end, micro, chunk}``."""
 
@@ -80,10 +98,8 @@ class Recorder:
         """Open a step (False if one is open already: a nested train_batch)."""
         if self._active:
             return False
-        import paddle
-
         if self._clock is None:
-            self._clock = _CudaEventClock() if paddle.is_compiled_with_cuda() else _WallClock()
+            self._clock = choose_clock()
         self.rank, self._active, self._micro_counts = rank, True, {}
         return True
 
@@ -213,21 +229,15 @@ def _wrap_opt_update(orig):
     return _step
 
 
-_patcher = None
-
-
-def install_hooks() -> None:
-    global _patcher
-    if _patcher is not None and _patcher.applied:
-        return
+def install_hooks(patcher) -> None:
+    """Wrap fleet's schedule, p2p and optimizer through ``patcher`` (the timeline component's,
+    given by the registry, so ``paddle_hybrid.patches()`` lists them and ``uninstall()`` undoes
+    them)."""
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import hybrid_parallel_optimizer as hpo_mod
     from paddle.distributed.fleet.meta_parallel import pipeline_parallel as pp
     from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
 
-    from ..patching import Patcher
-
-    patcher = Patcher("paddle_hybrid.timeline", "PADDLE_HYBRID_TIMELINE=0")
     hpo = patcher.require(hpo_mod, "HybridParallelOptimizer", "hybrid_parallel_optimizer")
     schedules = [patcher.require(pp, name, "pipeline_parallel")
                  for name in ("PipelineParallel", "PipelineParallelWithInterleave")]
@@ -258,13 +268,3 @@ def install_hooks() -> None:
                 _wrap_shared_sync(pp_layers.PipelineLayer.allreduce_shared_weight_gradients))
     patcher.set(hpo, "step", _wrap_opt_step(hpo.step))
     patcher.set(hpo, "_step", _wrap_opt_update(hpo._step))
-    _patcher = patcher
-
-
-def remove_hooks() -> None:
-    if _patcher is not None:
-        _patcher.revert()
-
-
-def hooks_installed() -> bool:
-    return _patcher is not None and _patcher.applied
