@@ -59,24 +59,37 @@ def first_difference(a: list, b: list):
     return None
 
 
-def _all_gather_object(obj, group, timeout: float, what: str) -> list:
+def _eager_in_this_thread():
+    """Dygraph for the gather, entered and left by the *calling* thread.
+
+    Paddle's dygraph guard swaps process-global state (the default programs, the unique-name
+    generator, the expected place, the C++ tracer).  Entered inside the gather thread, a timed-out
+    gather would leave all of it swapped for the rest of the process; entered here, it is restored
+    on the way out whatever the thread does.  Already in dygraph: nothing to swap."""
+    import contextlib
+
     import paddle
+
+    return contextlib.nullcontext() if paddle.in_dynamic_mode() else paddle.base.dygraph.guard()
+
+
+def _all_gather_object(obj, group, timeout: float, what: str) -> list:
     import paddle.distributed as dist
 
     box: dict = {}
 
     def gather():
         try:
-            with paddle.base.dygraph.guard():
-                out: list = []
-                dist.all_gather_object(out, obj, group=group)
-                box["out"] = out
+            out: list = []
+            dist.all_gather_object(out, obj, group=group)
+            box["out"] = out
         except BaseException as exc:  # re-raised in the caller's thread
             box["err"] = exc
 
     thread = threading.Thread(target=gather, name="ph-layout-check", daemon=True)
-    thread.start()
-    thread.join(timeout)
+    with _eager_in_this_thread():
+        thread.start()
+        thread.join(timeout)
     if thread.is_alive():
         _unusable[_group_key(group)] = f"the {what} check timed out after {timeout:.0f} s."
         raise TimeoutError(

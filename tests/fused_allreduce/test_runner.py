@@ -60,3 +60,36 @@ def test_runner_refuses_the_group_after_a_layout_check_timeout(monkeypatch):
             earlier.run_startup()
     finally:
         release.set()  # let the blocked thread finish
+
+
+def test_a_timed_out_layout_check_leaves_the_static_mode_state_alone(monkeypatch):
+    """The gather thread blocks for good (a rank that never joins).  After the TimeoutError the
+    caller is still in static mode with its own default programs and unique-name generator:
+    the dygraph guard the gather needs was entered and left by the caller, not by the thread
+    (which, blocked inside it, would leave them swapped for the rest of the process)."""
+    from paddle.base import framework
+    from paddle.base import unique_name as names
+
+    monkeypatch.setattr(layout_check, "_unusable", {})
+    release = threading.Event()
+    seen_dynamic = []
+
+    def blocked_gather(*args, **kwargs):
+        seen_dynamic.append(paddle.in_dynamic_mode())
+        release.wait(60)
+
+    monkeypatch.setattr(dist, "all_gather_object", blocked_gather)
+    paddle.enable_static()
+    main, startup = paddle.static.default_main_program(), paddle.static.default_startup_program()
+    generator = names.generator
+    try:
+        with pytest.raises(TimeoutError, match="within 0 s"):
+            layout_check.gather_and_compare([1], timeout=0.3, what="probe layout", fix="none")
+        assert not paddle.in_dynamic_mode()
+        assert paddle.static.default_main_program() is main
+        assert paddle.static.default_startup_program() is startup
+        assert names.generator is generator
+        assert framework._dygraph_tracer() is None
+        assert seen_dynamic == [True]  # the gather itself ran in dygraph
+    finally:
+        release.set()
