@@ -1,7 +1,7 @@
 """Executing a data-parallel static program rewritten by the plugin.
 
-Two paths, chosen by :func:`use_pir_path` (a CUDA build of Paddle with a GPU
-place takes the ordinary one):
+Two paths, chosen by :func:`use_pir_path` (a run on a GPU place takes the ordinary one; a
+CUDA build running on CPU takes the PIR one):
 
 * **CPU (gloo), verified.**  The legacy executor has no CPU kernels for
   collectives.  The runner translates the legacy program to PIR once
@@ -39,11 +39,14 @@ DP_GROUP = None
 
 
 def use_pir_path(place=None) -> bool:
-    """True where collectives must run through PIR (every non-GPU place)."""
+    """True where collectives must run through PIR (every non-GPU place): decided by where the
+    run is (``place``, or the current device), not by how Paddle was compiled."""
+    from ..device import running_on_cpu
+
     if not paddle.is_compiled_with_cuda():
         return True
     if place is None:
-        return False
+        return running_on_cpu()
     return not isinstance(place, paddle.CUDAPlace)
 
 
