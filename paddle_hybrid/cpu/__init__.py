@@ -9,7 +9,7 @@ restores every original.
 =========================  ==================================================
 concern                    what it fixes (details in the module's docstring)
 =========================  ==================================================
-:mod:`.device`             ``ParallelEnv._device_id`` missing on CPU
+:mod:`.device`             ``ParallelEnv().device_id`` missing on CPU
 :mod:`.groups`             gloo group start-up race; per-neighbour p2p groups
 :mod:`.p2p`                pipeline p2p on the pair groups; batched p2p on gloo
 :mod:`.collectives`        reduce_scatter, which gloo lacks
@@ -24,11 +24,12 @@ concern                    what it fixes (details in the module's docstring)
 
 When: ``PluginConfig.cpu_hybrid`` ("auto": only on a Paddle build with no accelerator, neither
 CUDA nor XPU nor a custom device; "on": on any build; "off": never).  Installed is not the same
-as used: every replacement asks per call whether its group is gloo, its tensor is in host memory
+as used: each replacement asks per call whether its group is gloo, its tensor is in host memory
 or the run is on the CPU (whichever its work depends on) and otherwise calls Paddle's original
-unchanged, so ``"on"`` on an accelerator build leaves NCCL/BKCL groups and device tensors alone.  The patches are written against
-Paddle 3.3.x and checked on 3.2.x; on another version the registry (:mod:`paddle_hybrid._install`) skips them with a
-warning unless forced (``PADDLE_HYBRID_FORCE=cpu``).
+unchanged, so ``"on"`` on an accelerator build leaves NCCL/BKCL groups and device tensors alone.
+The patches are written against Paddle 3.3.x and checked on 3.2.x; on another version the
+registry (:mod:`paddle_hybrid._install`) skips them with a warning unless forced
+(``PADDLE_HYBRID_FORCE=cpu``).
 """
 from __future__ import annotations
 
