@@ -45,8 +45,9 @@ Paddle 3.3.1):
    order, which it does only on a gloo pipeline group; on NCCL/BKCL Paddle's batch order
    would swap activation and gradient, so there Paddle's refusal stands.
 2. ``PipelineParallelWithInterleaveFthenB._check_sanity`` (pp <= accumulate_steps <
-   2 * pp, also used by ``VPPFhenBInBalancedMemory``): the same.  This schedule never
-   exchanges in four directions, so it is safe even with Paddle's batch order.
+   2 * pp, also used by ``VPPFhenBInBalancedMemory``): the same, gloo included.  This
+   schedule never exchanges in four directions, so it would be safe even with Paddle's batch
+   order, but it has only run on gloo: elsewhere Paddle's refusal stands (the device rule).
 
 Before replacing, the concern reads the source of each ``_check_sanity`` and lifts only a
 check that holds Paddle's assertion; when the source cannot be read (a Paddle shipped without
