@@ -275,6 +275,27 @@ def _recording_fakes(calls):
     ]
 
 
+# The concerns this file covers, in the component's order (tensor_parallel and sharding have
+# their own device-rule tests).
+_COVERED_CONCERNS = ["device", "groups", "p2p", "collectives", "recompute", "timers", "virtual_pipeline"]
+
+
+def test_every_replacement_of_the_covered_concerns_has_a_recording_fake(fresh_plugin):
+    """The tests below reach each replaced attribute through its fake: a replacement added to one
+    of these concerns without a fake here fails this test."""
+    from paddle_hybrid.patching import Patcher
+
+    patcher = Patcher("test", "none")
+    try:
+        for name in _COVERED_CONCERNS:
+            importlib.import_module(f"paddle_hybrid.cpu.{name}").apply(patcher)
+        replaced = {(id(owner), name) for owner, name in patcher.patched()}
+    finally:
+        patcher.revert()
+    faked = {(id(owner), name) for owner, name, _ in _recording_fakes(_Calls())}
+    assert replaced == faked
+
+
 def _recording_forward(calls):
     def forward(ctx, run_function, all_outputs, mp_group, offload, partition, custom_get_state_func,
                 custom_set_state_func, *args, **kwargs):
