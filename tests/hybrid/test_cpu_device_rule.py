@@ -178,6 +178,11 @@ def test_auto_installs_nothing_on_an_accelerator_build(fresh_plugin, monkeypatch
         assert [_value(owner, name) for owner, name in targets] == stock
         for (owner, name), original in zip(targets, stock):
             assert _value(owner, name) is original, (owner, name)
+        # What the message promises: "on" installs them on this build.
+        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+        assert state.status == "active"
+        assert {(id(o), n) for o, n in cpu.patched()} == {(id(o), n) for o, n in targets}
+        paddle_hybrid.uninstall_component("cpu")
 
 
 def test_auto_installs_on_a_build_without_accelerator(fresh_plugin, monkeypatch):
