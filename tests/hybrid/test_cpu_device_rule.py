@@ -10,6 +10,11 @@
   (a fake) or a run not on the CPU (``paddle.get_device`` answering ``"gpu:0"``) to Paddle's
   original, unchanged.  "Paddle's original" is a recording fake put in place of it *before*
   the component installs, so the replacement captured the fake as the function it wraps.
+  A completeness test makes sure every attribute those concerns replace has such a fake.
+* On a CPU run recompute_hybrid's forward is Paddle's own, only its device gate answered
+  for the CPU; its partition split leaves the caller's activation alone.
+* The two-stage virtual pipeline lift is refused, with a warning, when Paddle's source
+  cannot be read.
 
 Every test leaves the plugin installed as it was (``fresh_plugin``); fakes of Paddle
 attributes are removed only after the component that wrapped them is uninstalled.
