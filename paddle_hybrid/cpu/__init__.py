@@ -9,7 +9,7 @@ restores every original.
 =========================  ==================================================
 concern                    what it fixes (details in the module's docstring)
 =========================  ==================================================
-:mod:`.device`             ``ParallelEnv._device_id`` missing on CPU
+:mod:`.device`             ``ParallelEnv().device_id`` missing on CPU
 :mod:`.groups`             gloo group start-up race; per-neighbour p2p groups
 :mod:`.p2p`                pipeline p2p on the pair groups; batched p2p on gloo
 :mod:`.collectives`        reduce_scatter, which gloo lacks
@@ -22,10 +22,14 @@ concern                    what it fixes (details in the module's docstring)
 :mod:`.virtual_pipeline`   interleaved VP with two pipeline stages
 =========================  ==================================================
 
-When: ``PluginConfig.cpu_hybrid`` ("auto": only when Paddle is not compiled
-with CUDA; "on": always; "off": never).  The patches are written against
-Paddle 3.3.x and checked on 3.2.x; on another version the registry (:mod:`paddle_hybrid._install`) skips them with a
-warning unless forced (``PADDLE_HYBRID_FORCE=cpu``).
+When: ``PluginConfig.cpu_hybrid`` ("auto": only on a Paddle build with no accelerator, neither
+CUDA nor XPU nor a custom device; "on": on any build; "off": never).  Installed is not the same
+as used: each replacement asks per call whether its group is gloo, its tensor is in host memory
+or the run is on the CPU (whichever its work depends on) and otherwise calls Paddle's original
+unchanged, so ``"on"`` on an accelerator build leaves NCCL/BKCL groups and device tensors alone.
+The patches are written against Paddle 3.3.x and checked on 3.2.x; on another version the
+registry (:mod:`paddle_hybrid._install`) skips them with a warning unless forced
+(``PADDLE_HYBRID_FORCE=cpu``).
 """
 from __future__ import annotations
 
@@ -44,12 +48,20 @@ CONCERNS = ["device", "groups", "p2p", "collectives", "tensor_parallel", "shardi
 
 
 def skip_reason(config):
-    import paddle
+    """Why ``config`` does not want the CPU/gloo emulations, or None.
+
+    Under ``auto`` they install only on a build with no accelerator: they were written and run
+    for gloo on CPU, and the device rule keeps such paths off a device they never ran on until
+    the user opts in."""
+    from ..device import accelerator_build
 
     if config.cpu_hybrid == "off":
         return "switched off (cpu_hybrid='off')"
-    if config.cpu_hybrid == "auto" and paddle.is_compiled_with_cuda():
-        return "not needed: this Paddle has CUDA (cpu_hybrid='on' forces it)"
+    accelerator = accelerator_build() if config.cpu_hybrid == "auto" else None
+    if accelerator is not None:
+        return (f"not installed: this Paddle build has an accelerator ({accelerator}) and the CPU/gloo "
+                "emulations never ran there; cpu_hybrid='on' (PADDLE_HYBRID_CPU_HYBRID=on) forces them, "
+                "and each replacement still hands non-gloo groups and device tensors to Paddle")
     return None
 
 

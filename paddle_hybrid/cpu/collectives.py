@@ -8,13 +8,16 @@ implementations (tensor form and list form), on gloo groups only, reduce a copy 
 whole input with ``all_reduce`` and copy this rank's chunk into the output.  That moves
 ``nranks`` times the data of a real reduce_scatter, but the values are the same: the
 chunk of rank ``r`` is the reduction of every rank's chunk ``r``.  The work completes
-inside the call; the returned task's ``wait()`` returns at once.
+inside the call; the returned task's ``wait()`` returns at once.  On any other group (NCCL,
+BKCL, ...) both call Paddle's original unchanged.
 """
 from __future__ import annotations
 
 import functools
 
-__all__ = ["apply", "is_gloo", "reduce_scatter_by_all_reduce"]
+from ..device import is_gloo
+
+__all__ = ["apply", "reduce_scatter_by_all_reduce"]
 
 
 class _DoneTask:
@@ -25,13 +28,6 @@ class _DoneTask:
 
     def is_completed(self):
         return True
-
-
-def is_gloo(group) -> bool:
-    try:
-        return type(group.process_group).__name__ == "ProcessGroupGloo"
-    except AttributeError:
-        return False
 
 
 def reduce_scatter_by_all_reduce(out_tensor, in_tensor, op, group) -> None:

@@ -17,8 +17,8 @@ pipeline neighbours.
 2. Gloo tags every operation with one counter per group, so p2p with two different peers
    in one pipeline group desynchronises the tags (PP >= 3 hangs).  Patch:
    ``HybridCommunicateGroup.__init__`` also creates one 2-rank group per pair of ring
-   neighbours, in the same order on every rank, after fleet's own groups; :mod:`.p2p`
-   sends through them.
+   neighbours, in the same order on every rank, after fleet's own groups, when the pipeline
+   group is gloo (on NCCL/BKCL nothing is added); :mod:`.p2p` sends through them.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ import contextlib
 import functools
 import os
 import socket
+
+from ..device import is_gloo
 
 __all__ = ["apply", "pair_group", "pair_list", "group_stores", "reserved_port", "PAIR_GROUPS_ATTR"]
 
@@ -85,6 +87,7 @@ def _make_new_pg_impl(orig_impl):
     @functools.wraps(orig_impl)
     def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options,
                                 group_id=0, *args, **kwargs):
+        # The group does not exist yet, so its backend name is what says whether it is gloo.
         if backend == "gloo" and group_id != 0 and world_size > 1 and store is not None:
             _release_destroyed_group_stores()
             store = _group_store(store, rank, world_size, group_id)
@@ -120,7 +123,9 @@ def _make_hcg_init(orig_init):
 
         orig_init(self, *args, **kwargs)
         groups = {}
-        if self._pp_degree > 1:
+        # Every rank asks the same question of a group with one backend for the whole job, so
+        # either every rank creates every pair group or none does.
+        if self._pp_degree > 1 and is_gloo(self.get_pipe_parallel_group()):
             for a, b in pair_list(self._topo):  # every rank creates every pair group
                 group = dist.new_group(ranks=[a, b])
                 if self.global_rank == a:
@@ -145,7 +150,8 @@ def pair_group(hcg, peer):
         return groups[peer]
     except KeyError:
         raise RuntimeError(f"paddle_hybrid.cpu: no p2p group with rank {peer}; known peers "
-                           f"{sorted(groups)}.") from None
+                           f"{sorted(groups)} (pair groups are made only when the pipeline group is "
+                           "gloo).") from None
 
 
 def apply(patcher) -> None:

@@ -9,7 +9,9 @@
    wait for (an op has finished when its call returns, a gloo collective too), so the
    timer reads the clock directly; ``time.perf_counter`` (monotonic, sub-microsecond)
    rather than ``time.time``, since a tiny stage's forward takes well under a
-   millisecond.  Other places keep the stock methods (with their device sync).
+   millisecond.  Asked at every start and stop (``paddle_hybrid.device.running_on_cpu``:
+   the device stock Paddle would synchronize is the current one); a run on another device
+   gets the stock methods, with their device sync.
 
 The timers keep their stock fields (``elapsed_``, ``started_``, ``start_time``), so
 ``Timers.log`` / ``elapsed()`` and ``PipelineParallel.timer_printer`` work unchanged.
@@ -19,19 +21,15 @@ from __future__ import annotations
 import functools
 import time
 
+from ..device import running_on_cpu
+
 __all__ = ["apply"]
-
-
-def _on_cpu() -> bool:
-    import paddle
-
-    return paddle.get_device().split(":")[0] == "cpu"
 
 
 def _make_start(stock_start):
     @functools.wraps(stock_start)
     def start(self):
-        if not _on_cpu():
+        if not running_on_cpu():
             return stock_start(self)
         if self.started_:
             raise AssertionError(f"timer {self.name!r} has already started")
@@ -44,7 +42,7 @@ def _make_start(stock_start):
 def _make_stop(stock_stop):
     @functools.wraps(stock_stop)
     def stop(self):
-        if not _on_cpu():
+        if not running_on_cpu():
             return stock_stop(self)
         if not self.started_:
             raise AssertionError(f"timer {self.name!r} is not started")

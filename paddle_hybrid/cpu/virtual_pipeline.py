@@ -39,10 +39,20 @@ Patches (each replaces ``_check_sanity``, which holds the assertion; written aga
 Paddle 3.3.1):
 
 1. ``PipelineParallelWithInterleave._check_sanity`` (accumulate_steps >= 2 * pp): with
-   pp == 2, Paddle's checks except "pp degree > 2"; other degrees: Paddle's own.
+   pp == 2 on a gloo pipeline group, Paddle's checks except "pp degree > 2"; other degrees
+   and other backends: Paddle's own.  The lift is decided when the check runs (at the
+   model's construction), not at install: it is safe only where :mod:`.p2p` posts in parity
+   order, which it does only on a gloo pipeline group; on NCCL/BKCL Paddle's batch order
+   would swap activation and gradient, so there Paddle's refusal stands.
 2. ``PipelineParallelWithInterleaveFthenB._check_sanity`` (pp <= accumulate_steps <
-   2 * pp, also used by ``VPPFhenBInBalancedMemory``): the same.  This schedule never
-   exchanges in four directions, so it is safe even with Paddle's batch order.
+   2 * pp, also used by ``VPPFhenBInBalancedMemory``): the same, gloo included.  This
+   schedule never exchanges in four directions, so it would be safe even with Paddle's batch
+   order, but it has only run on gloo: elsewhere Paddle's refusal stands (the device rule).
+
+Before replacing, the concern reads the source of each ``_check_sanity`` and lifts only a
+check that holds Paddle's assertion; when the source cannot be read (a Paddle shipped without
+its ``.py`` files) it cannot tell what it would replace, so it replaces nothing and warns: two
+stages then stay refused by Paddle, the rest of the CPU support installs.
 
 Tested: PP2 x VP2 and PP2 x VP3, ``use_batch_p2p_comm`` False and True, both schedules,
 every rank against one process (``tests/hybrid/test_virtual_pipeline_pp2.py``).
@@ -50,6 +60,10 @@ every rank against one process (``tests/hybrid/test_virtual_pipeline_pp2.py``).
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
+
+from ..device import is_gloo
 
 __all__ = ["apply"]
 
@@ -62,7 +76,7 @@ def _make_check_sanity(orig, cls_name, min_acc_per_stage):
 
     @functools.wraps(orig)
     def _check_sanity(self):
-        if self.num_stages != 2:
+        if self.num_stages != 2 or not is_gloo(self._hcg.get_pipe_parallel_group()):
             return orig(self)  # Paddle's checks and messages, unchanged
         from paddle import framework
 
@@ -83,17 +97,20 @@ def _p2p_patched(patcher, p2p) -> bool:
     return all((id(p2p), name) in done for name in ("_p2p_ops", "_batched_p2p_ops"))
 
 
-def _holds_assertion(cls, orig) -> bool:
-    """The class's own ``_check_sanity`` still contains the check this concern lifts
-    (source unavailable: trust the registry's version check, ``paddle_hybrid.cpu.VERIFIED_PADDLE``)."""
-    import inspect
+class _SourceUnreadable(Exception):
+    """The source of a ``_check_sanity`` cannot be read, so what it checks is unknown."""
 
+
+def _holds_assertion(cls, orig) -> bool:
+    """The class's own ``_check_sanity`` still contains the check this concern lifts.
+    Raises :class:`_SourceUnreadable` when its source cannot be read: replacing a check
+    without knowing what it checks could drop one this concern was never meant to drop."""
     if "_check_sanity" not in vars(cls):
         return False
     try:
         return _PADDLE_MSG in inspect.getsource(orig)
-    except (OSError, TypeError):
-        return True
+    except (OSError, TypeError) as exc:
+        raise _SourceUnreadable(f"{type(exc).__name__}: {exc}") from exc
 
 
 def apply(patcher) -> None:
@@ -111,7 +128,16 @@ def apply(patcher) -> None:
         cls = patcher.require(pp, cls_name, "meta_parallel.pipeline_parallel")
         orig = patcher.require(cls, "_check_sanity", cls_name)
         patcher.check_params(orig, ["self"], f"{cls_name}._check_sanity")
-        if not _holds_assertion(cls, orig):
+        try:
+            holds = _holds_assertion(cls, orig)
+        except _SourceUnreadable as why:
+            warnings.warn(
+                f"paddle_hybrid.cpu.virtual_pipeline: cannot read the source of {cls_name}._check_sanity "
+                f"({why}), so cannot confirm it holds only the check {_PADDLE_MSG!r} this concern lifts; "
+                "nothing replaced: a virtual pipeline with two stages stays refused by Paddle (use pp > 2). "
+                "The other CPU/gloo patches are installed.", RuntimeWarning, stacklevel=2)
+            return
+        if not holds:
             raise PatchSignatureError(
                 f"paddle_hybrid.cpu: {cls_name}._check_sanity does not hold the check {_PADDLE_MSG!r} "
                 "this patch replaces; unexpected Paddle. Set PADDLE_HYBRID_CPU_HYBRID=off to run "

@@ -75,8 +75,14 @@ def _classes():
     return pp.PipelineParallelWithInterleave, pp.PipelineParallelWithInterleaveFthenB
 
 
+class ProcessGroupGloo:
+    """Named like Paddle's gloo process group (the two-stage lift applies only on gloo)."""
+
+
 def _fake(num_stages, acc):
-    return types.SimpleNamespace(num_stages=num_stages, accumulate_steps=acc)
+    gloo_group = types.SimpleNamespace(process_group=ProcessGroupGloo())
+    hcg = types.SimpleNamespace(get_pipe_parallel_group=lambda: gloo_group)
+    return types.SimpleNamespace(num_stages=num_stages, accumulate_steps=acc, _hcg=hcg)
 
 
 def test_check_sanity_patched_and_uninstall_restores(fresh_plugin):
