@@ -43,7 +43,7 @@ import tempfile
 import numpy as np
 
 LR = 0.01
-CLIP = 1.0
+CLIP = float(os.environ.get("PH_CLIP", "1.0"))
 SEGMENT = 2 ** 15
 
 
@@ -157,7 +157,7 @@ def _variant(args, spec, group):
     name = spec[3:] if kind == "special" else spec
     model = _build(kind, args)
     params = list(model.parameters())
-    opt = _optimizer(model, group_form=name in ("s2_group", "s3_acc"))
+    opt = _optimizer(model, group_form=name in ("s2_group", "s3_acc", "s3_group"))
     stage3 = name.startswith("s3")
     if name == "dp":
         wrapped = paddle.DataParallel(model, group=group)
@@ -180,7 +180,7 @@ def _variant(args, spec, group):
     if stage3:
         out["sliced"] = sorted(i for i, p in enumerate(params) if p.name not in
                                {q.name for q in wrapped._unslice_params})
-    out["losses"] = _train(args, wrapped, opt, args.steps, micro=args.micro if name.endswith("_acc") else 1)
+    out["losses"] = _train(args, wrapped, opt, args.steps, micro=args.micro if "_acc" in name else 1)
     out["params"] = _full_params(wrapped, params, stage3)
     if name == "s3_save":
         out["reload"] = _save_and_reload(args, wrapped, opt, params, group)
@@ -188,8 +188,9 @@ def _variant(args, spec, group):
 
 
 def _save_and_reload(args, model, opt, params, group):
-    """Save, go on training; then a fresh stage 3 model and optimizer loaded from the files
-    train the same steps."""
+    """Save, go on training; then a fresh model and optimizer loaded from the files (before
+    wrapping: stage 3 keeps only this rank's slice of a sliced parameter once wrapped) train the
+    same steps under stage 3."""
     import paddle
     from paddle.utils import unique_name
 
@@ -201,10 +202,10 @@ def _save_and_reload(args, model, opt, params, group):
     with unique_name.guard():
         fresh = _build("mlp", args)
         fresh_params = list(fresh.parameters())
-        fresh_opt = _optimizer(fresh, group_form=False)
-        fresh, fresh_opt = _stage3(fresh, fresh_opt, group)
         fresh.set_state_dict(paddle.load(path + ".pdmodel"))
+        fresh_opt = _optimizer(fresh, group_form=False)
         fresh_opt.set_state_dict(paddle.load(path + ".pdopt"))
+        fresh, fresh_opt = _stage3(fresh, fresh_opt, group)
         loaded = _full_params(fresh, fresh_params, True)
         losses = _train(args, fresh, fresh_opt, args.extra, first_step=args.steps)
         return {"cont_losses": cont_losses, "cont_params": cont_params, "loaded_params": loaded,
