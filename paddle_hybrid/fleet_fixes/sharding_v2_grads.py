@@ -79,8 +79,7 @@ def _make_clear_grad(orig):
         # empty" gradient the next backward replaces (the buffer would keep zeros).
         if not set_to_zero or self.sd_release_grads or not self._comm_buffer_list:
             return orig(self, set_to_zero)
-        # phase 1: which gradients are views now (checked before zeroing changes nothing, but
-        # reads the pointers once per buffer)
+        # phase 1: which gradients are views of a buffer now (zeroing the buffer zeroes them)
         kept, buffers = set(), []
         for buffer in self._comm_buffer_list:
             if buffer.grad_storage is None:

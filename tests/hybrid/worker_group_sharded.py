@@ -19,7 +19,7 @@ Variants (``;``-separated, run one after another in this process):
 - ``s2``: stage 2, optimizer over a parameter list; ``s2_group``: over a parameter group;
   ``s2_acc``: each step's rows in ``--micro`` microbatches, gradients accumulated, one step;
 - ``s2_minimize``: ``optimizer.minimize()`` must raise (stage 2 only supports ``step()``);
-- ``s3``: stage 3, ``segment_size=2**15`` (the two hidden weights are sliced, the rest not);
+- ``s3``: stage 3, ``segment_size=2**15`` (the hidden 184 x 184 weight is sliced, the rest not);
   ``s3_group`` (optimizer over a parameter group); ``s3_acc`` (microbatches, with a parameter
   group, as Paddle's own test); ``s3_sync`` (``sync_comm=True``);
   ``s3_save``: after training, save model and optimizer ``state_dict``, train ``--extra``
