@@ -1,6 +1,13 @@
 """Fleet sharding on CPU/gloo: stage 1 (``sharding_degree``, V1 and V2 with
-``sharding_configs.split_param``, tensor fusion, comm overlap, with DP and PP) and
-``group_sharded_parallel`` levels ``os``, ``os_g``, ``p_g_os``, with ``save_group_sharded_model``.
+``sharding_configs.split_param``, tensor fusion, comm overlap, with DP and PP), the group-sharded
+classes (``group_sharded_parallel`` levels ``os``, ``os_g``, ``p_g_os``, and
+``GroupShardedOptimizerStage2`` / ``GroupShardedStage2`` / ``GroupShardedStage3`` built directly),
+with ``save_group_sharded_model``.
+
+Device rule: every replacement decides per call.  It does its CPU work only when the call is
+on the CPU (the place, the storage or the run is on the CPU; the group is gloo where one is
+involved) and otherwise calls Paddle's original unchanged, so on a CUDA build nothing changes
+for GPU runs even with ``cpu_hybrid='on'``.
 
 1. ``tensor_fusion_helper.get_current_device_type`` asks the place for ``get_device_type()``,
    which ``CPUPlace`` lacks, and its ``alignment`` table has no CPU entry (V2 always, V1 with
@@ -11,39 +18,33 @@
    buffer to the device: it clears each parameter and then reads ``param.cpu()``, which on CPU
    is the same memory ("(PreconditionNotMet) Tensor not initialized yet when
    DenseTensor::place() is called"), and ``cvt_to_device`` raises on a CPU build.  Patch: a
-   "cpu" storage takes Paddle's own no-conversion path (``convert_gpu=False``).
-3. ``DygraphShardingOptimizerV2.clear_grad`` calls ``Tensor.clear_gradient(True)``, which zeroes
-   a gradient but marks it "fake empty": the next backward *replaces* it instead of
-   accumulating into the comm buffer it is a view of, so from step 2 on the reduce-scatter sends
-   zeros (no error; parameters 0.05 off the single-process run after 5 Adam steps).  Patch: the
-   comm buffers are zeroed in place; parameters whose gradient is not such a view get the stock
-   treatment.
-4. ``DygraphShardingOptimizerV2.reduce_gradients``: a gradient replaced anyway
-   (``Layer.clear_gradients()``, ``Tensor.clear_gradient()``, the same "fake empty" effect) is
-   copied back into its buffer slice and made a view again before the buffer is reduced
-   (count in the optimizer's ``_ph_grads_relinked``).
-5. ``DygraphShardingOptimizerV2.filter_parameters`` picks the slice parameters the DP group
-   all-reduces, but slices get storage only later in ``step()``: on step 1 none qualifies and
-   sharding x dp updates with the sharding group's gradient only (no error; 0.02 off after one
-   step).  Patch: assign the slices first (``_assign_slice_grad``; ``step()`` repeats it, which
-   is idempotent).  Not with ``release_gradients``, whose slices are re-created per step.
-6. ``group_sharded_parallel``: "group_sharded_parallel only support gpu, xpu and custom_device
-   now"; ``GroupShardedOptimizerStage2`` / ``GroupShardedStage3``: "Only GPU and XPU and
-   CustomDevice is supported now"; then ``GroupShardedOptimizerStage2`` reads a device index
-   from ``paddle.get_device()`` ("cpu": "IndexError: list index out of range").  Patch: in
-   those three modules only, the module-level ``paddle``/``core`` is a view
-   (:class:`_ModuleView`) identical to the module except for the queries used there to refuse
-   CPU: CPU counts as an accepted device type for ``group_sharded_parallel``'s check, the
-   stage 2/3 constructors' build check passes, and stage 2 reads device index 0.  The functions
-   themselves are untouched, so a ``group_sharded_parallel`` imported before ``paddle_hybrid``
-   is fixed too.
-7. ``GroupShardedClipGrad._dygraph_clip`` (``ClipGradByGlobalNorm`` with stage 3, or stage 2
+   "cpu" storage whose buffer is on the CPU takes Paddle's own no-conversion path
+   (``convert_gpu=False``).
+3. ``GroupShardedOptimizerStage2``, ``GroupShardedStage2`` and ``GroupShardedStage3`` take a
+   ``device`` argument whose default is ``"gpu"`` (``"xpu"`` on an XPU build), whatever the run
+   is on; ``group_sharded_parallel`` passes the real one, a user building the classes directly
+   usually does not.  Built that way on CPU, stage 2 makes "gpu" parameter storages, and 2
+   above fails with the same "Tensor not initialized" error.  Patch: when ``device`` is not
+   given, the run is on the CPU and the group (or the global group) is gloo, the constructors
+   get ``device="cpu"``.
+4. ``group_sharded_parallel``: "group_sharded_parallel only support gpu, xpu and custom_device
+   now"; the stage 2/3 constructors: "Only GPU and XPU and CustomDevice is supported now"; then
+   ``GroupShardedOptimizerStage2`` reads a device index from ``paddle.get_device()`` ("cpu":
+   "IndexError: list index out of range").  Patch: in those three modules only, the module-level
+   ``paddle``/``core`` is a view (:class:`_ModuleView`) identical to the module except for the
+   queries used there to refuse CPU; they answer "CPU accepted" (CPU among the custom device
+   types, the build check passes, device index 0) only while the run is on the CPU, and
+   Paddle's own answer otherwise.  The functions themselves are untouched, so a
+   ``group_sharded_parallel`` imported before ``paddle_hybrid`` is fixed too.
+5. ``GroupShardedClipGrad._dygraph_clip`` (``ClipGradByGlobalNorm`` with stage 3, or stage 2
    outside hybrid parallel) reads a device index ("IndexError") and moves the norm to a GPU
-   ("ValueError: No available device found.").  Patch: on CPU, the same global norm (sliced
-   parameters summed over the group, ``unslice`` ones counted once) without the move.
+   ("ValueError: No available device found.").  Patch: for a clip on the CPU over a gloo group,
+   the same global norm (sliced parameters summed over the group, ``unslice`` ones counted
+   once) without the move.
 
-3 and 5 are not CPU-specific in Paddle's code (seen here on CPU; GPU untested), but only show
-with ``.grad`` gradients (not ``main_grad``) and, for 5, a data-parallel degree above 1.
+Sharding V2's gradient defects (``clear_grad`` leaving "fake empty" gradients, slices missing
+from the DP all-reduce on step 1) are not CPU-specific: :mod:`paddle_hybrid.fleet_fixes.sharding_v2_grads`
+fixes them on every device.
 
 Collectives: V1's ``reduce`` and the ``broadcast``/``all_gather`` of parameters work on gloo as
 they are (a gloo ``reduce`` leaves scratch values in the non-destination ranks' tensors, which
@@ -56,7 +57,9 @@ CPU and back with ``.cuda()``, meaningless on CPU), ``release_gradients`` and
 from __future__ import annotations
 
 import functools
+import inspect
 
+from ..device import is_gloo, on_cpu, running_on_cpu
 from ..patching import PatchSignatureError
 
 __all__ = ["apply", "CPU_ALIGNMENT_BYTES"]
@@ -98,7 +101,7 @@ def _make_add_rank_params(orig):
         # The buffer of a "cpu" storage already lives where the parameters must end up.  The
         # converting path would read param.cpu() after clearing the parameter (on CPU the two
         # share memory) and then send the buffer to cvt_to_device, which raises on CPU.
-        if self._device == "cpu":
+        if self._device == "cpu" and on_cpu(self.buffer):
             convert_gpu = False
         return orig(self, trainable_params, param2align, convert_gpu)
 
@@ -106,115 +109,26 @@ def _make_add_rank_params(orig):
 
 
 # ---------------------------------------------------------------------------
-# 3, 4, 5. DygraphShardingOptimizerV2: gradients stay views of the comm buffers; slices
-# are ready before the data-parallel all-reduce
+# 3. group sharded classes built directly: their default device on CPU
 # ---------------------------------------------------------------------------
 
-def _grad_view_intact(buffer, param) -> bool:
-    """Whether ``param``'s gradient is still the slice of ``buffer.grad_storage`` it was given."""
-    view = buffer._sharding_param_grad_view[param.name]
-    grad = param.main_grad if buffer.use_main_grad else param._grad_ivar()
-    if grad is None or not grad._is_initialized() or buffer.grad_storage is None:
-        return False
-    offset = view._index * buffer.grad_storage.element_size()
-    return grad.data_ptr() == buffer.grad_storage.data_ptr() + offset
+def _make_default_device_init(orig):
+    """``__init__`` of a group-sharded class whose ``device`` defaults to "gpu"/"xpu": a run on
+    the CPU over gloo that does not name a device gets "cpu"."""
+    signature = inspect.signature(orig)
 
-
-def _relink_grads(opt) -> int:
-    """Copy any gradient that backward put in a fresh tensor back into its comm buffer slice and
-    make it a view again; returns how many were relinked."""
-    import paddle
-
-    relinked = 0
-    for buffer in opt._comm_buffer_list:
-        if buffer.grad_storage is None:  # release_grads: Paddle copies into a new buffer itself
-            continue
-        for param in buffer.params:
-            if _grad_view_intact(buffer, param):
-                continue
-            view = buffer._sharding_param_grad_view[param.name]
-            grad = param.main_grad if buffer.use_main_grad else param._grad_ivar()
-            target = buffer.grad_storage._slice(view._index, view._index + param._numel())
-            if grad is not None and grad._is_initialized():
-                paddle.assign(grad.reshape([-1]).astype(target.dtype), target)
-            else:
-                target.zero_()
-            view._link_grad_to_buffer()
-            relinked += 1
-    return relinked
-
-
-def _make_v2_clear_grad(orig):
     @functools.wraps(orig)
-    def clear_grad(self, set_to_zero=True):
-        # Tensor.clear_gradient(set_to_zero=True) zeroes the gradient but marks it "fake empty",
-        # so the next backward assigns a new tensor instead of accumulating into the view of the
-        # comm buffer: the buffer keeps zeros, and every step after the first reduce-scatters
-        # zeros (silently wrong training).  Zero the buffers in place instead.
-        if not set_to_zero or self.sd_release_grads or not self._comm_buffer_list:
-            return orig(self, set_to_zero)
-        import paddle
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        if "device" not in bound.arguments and running_on_cpu() and is_gloo(bound.arguments.get("group")):
+            kwargs["device"] = "cpu"
+        return orig(self, *args, **kwargs)
 
-        kept = set()
-        with paddle.no_grad():
-            for buffer in self._comm_buffer_list:
-                if buffer.grad_storage is None:
-                    continue
-                intact = [p for p in buffer.params if _grad_view_intact(buffer, p)]
-                buffer.grad_storage.zero_()
-                kept.update(id(p) for p in intact)
-        # anything else (no view, main_grad) gets the stock treatment, run on just those
-        rest = [p for p in self._parameter_list if id(p) not in kept]
-        if rest:
-            saved = self._parameter_list
-            self._parameter_list = rest
-            try:
-                orig(self, set_to_zero)
-            finally:
-                self._parameter_list = saved
-
-    return clear_grad
-
-
-def _make_v2_reduce_gradients(orig):
-    @functools.wraps(orig)
-    def reduce_gradients(self, parameter_list, hcg):
-        # A gradient cleared elsewhere (Layer.clear_gradients, Tensor.clear_gradient) comes back
-        # from backward as a new tensor; put it into the buffer before the buffer is reduced.
-        relinked = _relink_grads(self)
-        self._ph_grads_relinked = getattr(self, "_ph_grads_relinked", 0) + relinked
-        return orig(self, parameter_list, hcg)
-
-    return reduce_gradients
-
-
-def _make_v2_filter_parameters(orig):
-    @functools.wraps(orig)
-    def filter_parameters(self, parameter_list, hcg):
-        # The slice parameters get their storage and gradient in step(), after this filter has
-        # chosen what the data-parallel group all-reduces: on the first step every slice is
-        # still uninitialised and is left out, so sharding x dp trains step 1 on the sharding
-        # group's gradient only.  Give them storage and gradients first (step() repeats the same
-        # assignment, which is idempotent).
-        if not self.sd_release_grads and _slices_pending(self):
-            self._assign_slice_grad()
-        return orig(self, parameter_list, hcg)
-
-    return filter_parameters
-
-
-def _slices_pending(opt) -> bool:
-    """A non-empty slice of some parameter whose slice parameter has no storage yet."""
-    opt._collect_comm_buffers()
-    for buffer in opt._comm_buffer_list:
-        for name, view in buffer._sharding_param_grad_view.items():
-            if view.has_effective_slice_param and not opt._slice_params[name]._is_initialized():
-                return True
-    return False
+    return __init__
 
 
 # ---------------------------------------------------------------------------
-# 6. group sharded (stage 2 / 3): the device checks accept CPU
+# 4. group sharded (stage 2 / 3): the device checks accept CPU while the run is on the CPU
 # ---------------------------------------------------------------------------
 
 class _ModuleView:
@@ -237,27 +151,31 @@ class _ModuleView:
 
 def _custom_types_with_cpu(real):
     def get_all_custom_device_type():
-        return [*real(), "cpu"]
+        types = list(real() or [])
+        return [*types, "cpu"] if running_on_cpu() else types
 
     return get_all_custom_device_type
 
 
-def _build_check_passes():
+def _build_check_passes_on_cpu(real):
     """``is_compiled_with_cuda`` as the stage 2/3 constructors see it: they use it only in the
     check that refuses a CPU build, and run on CPU as they are once it passes."""
-    return True
+    def is_compiled_with_cuda():
+        return running_on_cpu() or real()
+
+    return is_compiled_with_cuda
 
 
 def _device_with_index(real):
     def get_device():
         device = real()
-        return device if ":" in device else f"{device}:0"
+        return "cpu:0" if device == "cpu" else device
 
     return get_device
 
 
 # ---------------------------------------------------------------------------
-# 7. GroupShardedClipGrad on CPU
+# 5. GroupShardedClipGrad on CPU
 # ---------------------------------------------------------------------------
 
 def _clip_on_cpu(clip, params_grads):
@@ -307,7 +225,7 @@ def _make_clip(orig):
         # Stock code reads a device index from self._device ("cpu" has none: IndexError) and,
         # when paddle.get_device() is "cpu", moves the norm to a GPU (.cuda(): "No available
         # device found") before the all_reduce.  On CPU nothing has to move.
-        if str(self._device).split(":")[0] != "cpu":
+        if str(self._device).split(":")[0] != "cpu" or not is_gloo(self._group):
             return orig(self, params_grads)
         return _clip_on_cpu(self, params_grads)
 
@@ -317,8 +235,8 @@ def _make_clip(orig):
 def apply(patcher) -> None:
     import paddle
     from paddle.base import core
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_optimizer_stage2 as gso2
+    from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_stage2 as gs2
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_stage3 as gs3
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_storage as storage
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_utils as gsu
@@ -329,15 +247,16 @@ def apply(patcher) -> None:
     patcher.check_params(tfh.get_current_device_type, [], "tensor_fusion_helper.get_current_device_type")
     alignment = patcher.require(tfh, "alignment", "tensor_fusion_helper")
     patcher.require(tfh, "_current_expected_place_", "tensor_fusion_helper")
-    patcher.require(tfh.ShardingGradView, "_link_grad_to_buffer", "ShardingGradView")
     patcher.check_params(storage.ParamStorage.add_rank_params,
                          ["self", "trainable_params", "param2align", "convert_gpu"], "ParamStorage.add_rank_params")
-    v2 = dso.DygraphShardingOptimizerV2
-    patcher.check_params(v2.clear_grad, ["self", "set_to_zero"], "DygraphShardingOptimizerV2.clear_grad")
-    for name in ("reduce_gradients", "filter_parameters"):
-        patcher.check_params(getattr(v2, name), ["self", "parameter_list", "hcg"], f"DygraphShardingOptimizerV2.{name}")
-    for name in ("_assign_slice_grad", "_collect_comm_buffers"):
-        patcher.require(v2, name, "DygraphShardingOptimizerV2")
+    constructors = [patcher.require(mod, name, mod.__name__) for mod, name in (
+        (gso2, "GroupShardedOptimizerStage2"), (gs2, "GroupShardedStage2"), (gs3, "GroupShardedStage3"))]
+    for cls in constructors:
+        params = inspect.signature(cls.__init__).parameters
+        if "device" not in params or "group" not in params:
+            raise PatchSignatureError(f"{patcher.component}: {cls.__name__}.__init__ has no 'device' or 'group' "
+                                      f"parameter ({list(params)}); unexpected Paddle. Set {patcher.off_switch} "
+                                      "to run without these patches.")
     # the views replace module globals that must be the real modules
     for mod, name, real in ((gs, "paddle", paddle), (gso2, "paddle", paddle), (gso2, "core", core),
                             (gs3, "core", core)):
@@ -351,14 +270,13 @@ def apply(patcher) -> None:
     patcher.set(tfh, "alignment", {**alignment, "cpu": CPU_ALIGNMENT_BYTES})
     patcher.set(tfh, "get_current_device_type", _make_device_type(tfh.get_current_device_type, tfh))
     patcher.set(storage.ParamStorage, "add_rank_params", _make_add_rank_params(storage.ParamStorage.add_rank_params))
-    # --- 3, 4, 5: sharding V2 gradients ----------------------------------------------------
-    patcher.set(v2, "clear_grad", _make_v2_clear_grad(v2.clear_grad))
-    patcher.set(v2, "reduce_gradients", _make_v2_reduce_gradients(v2.reduce_gradients))
-    patcher.set(v2, "filter_parameters", _make_v2_filter_parameters(v2.filter_parameters))
-    # --- 6, 7: group sharded ---------------------------------------------------------------
+    # --- 3: the group-sharded classes' default device ---------------------------------------
+    for cls in constructors:
+        patcher.set(cls, "__init__", _make_default_device_init(cls.__init__))
+    # --- 4, 5: group sharded device checks and clipping -----------------------------------
     patcher.set(gs, "paddle", _ModuleView(paddle, device=_ModuleView(
         paddle.device, get_all_custom_device_type=_custom_types_with_cpu(paddle.device.get_all_custom_device_type))))
-    patcher.set(gso2, "core", _ModuleView(core, is_compiled_with_cuda=_build_check_passes))
+    patcher.set(gso2, "core", _ModuleView(core, is_compiled_with_cuda=_build_check_passes_on_cpu(core.is_compiled_with_cuda)))
     patcher.set(gso2, "paddle", _ModuleView(paddle, get_device=_device_with_index(paddle.get_device)))
-    patcher.set(gs3, "core", _ModuleView(core, is_compiled_with_cuda=_build_check_passes))
+    patcher.set(gs3, "core", _ModuleView(core, is_compiled_with_cuda=_build_check_passes_on_cpu(core.is_compiled_with_cuda)))
     patcher.set(gsu.GroupShardedClipGrad, "_dygraph_clip", _make_clip(gsu.GroupShardedClipGrad._dygraph_clip))

@@ -7,6 +7,11 @@ fix                           what it fixes (details in the module docstring)
                               between pipeline stages once per stage
 :mod:`.no_pipeline_dp`        a one-stage ``PipelineLayer`` under pure data
                               parallelism never averages its gradients
+:mod:`.sharding_v2_grads`     sharding V2 reduce-scatters zeros from step 2
+                              (``clear_grad``); sharding x DP skips the DP
+                              all-reduce of every slice on step 1
+:mod:`.stage3_param_groups`   group-sharded stage 3 with parameter groups
+                              updates its sliced parameters on step 1 only
 ============================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -20,7 +25,7 @@ __all__ = ["skip_reason", "apply", "is_active", "FIXES", "VERIFIED_PADDLE", "SWI
 
 VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_FLEET_FIXES=0 (PluginConfig(fleet_fixes=False))"
-FIXES = ["shared_weight_norm", "no_pipeline_dp"]
+FIXES = ["shared_weight_norm", "no_pipeline_dp", "sharding_v2_grads", "stage3_param_groups"]
 
 
 def skip_reason(config):

@@ -14,7 +14,8 @@ group-sharded model against the saved one, and its further training against the 
 Without the plugin's sharding patches stock Paddle 3.3.1 fails here as listed in
 ``paddle_hybrid/cpu/sharding.py`` (assertions for tensor fusion and group sharded, an
 uninitialised tensor in ParamStorage, IndexError/ValueError in the group-sharded clip), or, for
-V2, trains silently wrong (0.05 off after 5 steps; sharding x dp 0.02 off after 1 step).
+V2 without ``paddle_hybrid.fleet_fixes.sharding_v2_grads``, trains silently wrong (0.05 off after
+5 steps; sharding x dp 0.02 off after 1 step).
 """
 import os
 
@@ -135,27 +136,76 @@ def test_pp2_x_sharding2():
 
 
 # ---------------------------------------------------------------------------
+# parameter sizes that do not divide by the degree; degree 4
+# ---------------------------------------------------------------------------
+
+UNEVEN = ["--in-dim", 7, "--hidden", 13, "--out-dim", 3]  # weights 7x13, 13x13, 13x3; biases 13, 3
+
+
+def _uneven_numels():
+    import sys
+
+    sys.path.insert(0, os.path.dirname(WORKER))
+    import pipeline_models as models
+
+    specs = models.block_specs(4, 7, 13, 3)
+    return [n for i, o, _ in specs for n in (i * o, o)]
+
+
+def test_uneven_sizes_on_two_ranks():
+    """Stage 1 V1 (whole parameters per rank), V1 + fusion, V2 (parameters split across the
+    ranks' comm buffer slices), with clipping, where no parameter size divides by 2."""
+    assert all(n % 2 for n in _uneven_numels())
+    variants = ["v1", "v1_fusion", "v2", "v2+clip"]
+    res = _run(2, variants, "--sharding", 2, *UNEVEN)
+    _check_against_reference(res, variants)
+    _same_params_in_group(res, key=lambda r: 0)
+
+
+def test_sharding_degree4_uneven():
+    """Sharding degree 4 on 4 processes, no parameter size divisible by 4."""
+    assert all(n % 4 for n in _uneven_numels())
+    variants = ["v1", "v1_fusion", "v2", "v2+clip"]
+    res = _run(4, variants, "--sharding", 4, *UNEVEN)
+    assert sorted(r["shard"] for r in res) == [0, 1, 2, 3]
+    _check_against_reference(res, variants)
+    _same_params_in_group(res, key=lambda r: 0)
+
+
+def test_group_sharded_degree4_uneven():
+    """group_sharded_parallel over 4 ranks, sizes not divisible by 4: stage 3 (segment_size=16)
+    slices the four weights (91, 169, 169, 39 elements) into uneven parts, the biases stay whole."""
+    variants = ["os", "os_g", "p_g_os", "p_g_os+clip"]
+    res = _run(4, variants, "--sharding", 1, "--dp", 4, *UNEVEN)
+    _check_against_reference(res, variants)
+    _same_params_in_group(res, key=lambda r: 0)
+    for r in res:
+        assert r["variants"]["p_g_os"]["unsliced"] == sorted(f"linear_{i}.b_0" for i in range(4)), r["rank"]
+        for spec, v in r["variants"].items():
+            _check_reload(v, f"rank {r['rank']} {spec}")
+
+
+# ---------------------------------------------------------------------------
 # in process: install / uninstall
 # ---------------------------------------------------------------------------
 
 def _targets():
     """Every attribute the sharding concern replaces, as the owner holds it now."""
     import paddle.distributed.sharding.group_sharded as gs
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_optimizer_stage2 as gso2
+    from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_stage2 as gs2
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_stage3 as gs3
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_storage as storage
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_utils as gsu
     from paddle.distributed.fleet.utils import tensor_fusion_helper as tfh
 
-    v2 = dso.DygraphShardingOptimizerV2
     return {
         (tfh, "alignment"): tfh.alignment,
         (tfh, "get_current_device_type"): tfh.get_current_device_type,
         (storage.ParamStorage, "add_rank_params"): vars(storage.ParamStorage)["add_rank_params"],
-        (v2, "clear_grad"): vars(v2)["clear_grad"],
-        (v2, "reduce_gradients"): vars(v2)["reduce_gradients"],
-        (v2, "filter_parameters"): vars(v2)["filter_parameters"],
+        (gso2.GroupShardedOptimizerStage2, "__init__"): vars(gso2.GroupShardedOptimizerStage2)["__init__"],
+        (gs2.GroupShardedStage2, "__init__"): vars(gs2.GroupShardedStage2)["__init__"],
+        (gs3.GroupShardedStage3, "__init__"): vars(gs3.GroupShardedStage3)["__init__"],
         (gs, "paddle"): gs.paddle,
         (gso2, "paddle"): gso2.paddle,
         (gso2, "core"): gso2.core,
