@@ -85,6 +85,7 @@ class GradBuckets:
         plan = plan_buckets(trainable, int(bucket_size_mb * 1024 * 1024), max_params, self.main_grad)
         self.buckets = [Bucket(i, ps, self.main_grad) for i, ps in enumerate(plan)]
         self._flat = [(b.index, p) for b in self.buckets for p in b.params]
+        self._slot = [(b, i) for b in self.buckets for i in range(len(b.params))]  # flat k -> (bucket, i)
         self._index = {id(p): k for k, (_, p) in enumerate(self._flat)}
         # Phase 2, agree: every rank must pair the same bytes.
         if check_layout and self.nranks > 1:
@@ -100,6 +101,7 @@ class GradBuckets:
         self._stats = dict.fromkeys(("steps", "bucket_syncs", "started_by_hook", "started_at_backward_end",
                                      "started_at_finish", "started_at_abort", "view_repairs"), 0)
         self._hook_calls = 0
+        self._released = False  # gradients were dropped (clear_grad(set_to_zero=False)): re-bind at hooks
         self._handles = [p.register_hook(_make_hook(self, k)) for k, (_, p) in enumerate(self._flat)]
         for _, p in self._flat:
             _REGISTRY[id(p)] = (weakref.ref(p), self)
@@ -163,6 +165,8 @@ class GradBuckets:
                 return self._step_aside(p)
         self._hook_calls += 1
         self._dirty = True
+        if self._released:
+            self._slot[k][0].rebind(self._slot[k][1])  # before Paddle adds: it adds into the view
         if self._readiness.fire(k) and self._flat[k][0] < self._next:
             raise GradSyncError(
                 f"gradient of {self._flat[k][1].name} got another contribution after its bucket's all_reduce "
@@ -173,6 +177,17 @@ class GradBuckets:
     def _accumulated(self, k: int) -> None:
         if not self._aside and self._readiness.accumulated(k):
             self._start_ready("started_by_hook")
+
+    def release_grads(self, params) -> None:
+        """``params``' gradients were dropped (``clear_grad(set_to_zero=False)``): ``.grad`` is
+        None as Paddle promises, the buffers keep their memory (the next backward needs it
+        anyway), and each gradient becomes a view again, zeroed, in its hook on the next
+        backward, before Paddle adds into it: no new tensor, no copy.  (A parameter that gets
+        no gradient is put back when its bucket starts, by :meth:`Bucket.ensure_bound`.)"""
+        for p in params:
+            if self._index.get(id(p)) is None:
+                raise ValueError(f"GradBuckets.release_grads: {p.name} is not in these buckets.")
+        self._released = True
 
     def _backward_done(self) -> None:
         self._in_pass = False
@@ -260,6 +275,8 @@ class GradBuckets:
     def _complete_window(self, how: str) -> None:
         """Start every bucket not started yet (if gradients were added), wait for all."""
         self._start_rest(how)
+        if self._next == len(self.buckets):
+            self._released = False  # every bucket was started: every gradient is a view again
         self._wait_started()
 
     def _wait_started(self) -> None:
