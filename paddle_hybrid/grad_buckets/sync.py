@@ -97,7 +97,9 @@ class GradBuckets:
         self._dirty = False  # gradients added since the last finished sync
         self._removed = self._aside = self._remove_after_pass = self._in_pass = False
         self._on_remove: list = []
-        self.error = None  # the exception a hook raised, re-raised by finish_grad_sync()
+        # the exception a hook raised: raised from the failed backward itself (backward_end),
+        # else (no wrapped backward, or a broken group) once by finish_grad_sync()
+        self.error = None
         self._stats = dict.fromkeys(("steps", "bucket_syncs", "started_by_hook", "started_at_backward_end",
                                      "started_at_finish", "started_at_abort", "view_repairs"), 0)
         self._hook_calls = 0

@@ -272,3 +272,45 @@ def test_layout_mismatch_names_the_parameter(monkeypatch):
         GradBuckets(m.parameters(), group=FakeGroup())
     assert "fuse_all_reduce_ops=False" in str(info.value)
     assert not any(grad_buckets.is_bucketed(p) for p in m.parameters())
+
+
+# -- a backward that raised ----------------------------------------------------------------
+
+def _failing_backward(model, step):
+    """A backward whose hook on the first layer's weight (its gradient comes last) raises."""
+    handle = model[0].weight.register_hook(lambda g: (_ for _ in ()).throw(ValueError("injected")))
+    try:
+        with pytest.raises(OSError, match="injected"):  # Paddle's report of a hook's exception
+            model(_x(step)).mean().backward()
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("last_microbatch", [True, False])
+def test_a_failed_pass_completes_its_sync_only_in_a_last_microbatch(last_microbatch):
+    """A last microbatch that fails still issues every bucket's all_reduce once, in order (the
+    other ranks issue theirs); an earlier microbatch (no_sync) issues none.  Either way the
+    next step syncs normally: after clear_grad, gradients equal the two-rank average."""
+    group = FakeGroup()
+    m, ref = _model(), _model()
+    with delayed_all_reduce() as fake:
+        gb = GradBuckets(m.parameters(), group=group, bucket_size_mb=0.001, check_layout=False)
+        try:
+            n = gb.stats()["num_buckets"]
+            if last_microbatch:
+                _failing_backward(m, 0)
+            else:
+                with gb.no_sync():
+                    _failing_backward(m, 0)
+            assert len(fake.calls) == (n if last_microbatch else 0)
+            assert gb.stats()["started_at_abort"] == (n if last_microbatch else 0)
+            assert gb._tasks == {} and gb._next == 0 and gb.error is None
+            for model in (m, ref):
+                model.clear_gradients()
+                model(_x(1)).mean().backward()
+            _average(ref, group)
+            assert len(fake.calls) == (2 * n if last_microbatch else n)
+            for p, q in zip(m.parameters(), ref.parameters()):
+                np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy(), err_msg=p.name)
+        finally:
+            gb.remove()
