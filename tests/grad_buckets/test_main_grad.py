@@ -67,6 +67,43 @@ def test_buckets_hold_main_grad_as_fp32_views():
         np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=p.name)
 
 
+def test_main_grad_dropped_by_clear_grad_comes_back_as_a_view():
+    """``MixPrecisionOptimizer.clear_grad(set_to_zero=False)`` sets ``main_grad`` to None (its
+    own clear; not routed through the buckets).  The recipe's hook then makes a fresh
+    ``main_grad``, which the bucket puts back into its view when it starts (one copy per
+    parameter: ``view_repairs``); values equal the recipe's without buckets, given the same
+    average."""
+    group = FakeGroup()
+    ref = MixPrecisionLayer(_model(), dtype="bfloat16")
+    ref_opt = MixPrecisionOptimizer(paddle.optimizer.SGD(0.1, parameters=ref.parameters()))
+    m = MixPrecisionLayer(_model(), dtype="bfloat16")
+    with delayed_all_reduce():
+        gb = paddle_hybrid.GradBuckets(m.parameters(), group=group, bucket_size_mb=0.001, check_layout=False)
+        try:
+            opt = SyncingOptimizer(MixPrecisionOptimizer(paddle.optimizer.SGD(0.1, parameters=m.parameters())), gb)
+            for step in range(3):
+                x, y = _batch(step)
+                for model in (m, ref):
+                    paddle.nn.functional.mse_loss(model(x), y).backward()
+                with paddle.no_grad():
+                    for q in ref.parameters():
+                        half = q.main_grad * 0.5
+                        q.main_grad.copy_(half + group.other(half), False)
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    assert any(p.main_grad.data_ptr() == v.data_ptr() for b in gb.buckets for v in b.views)
+                    np.testing.assert_array_equal(p.main_grad.numpy(), q.main_grad.numpy(), err_msg=f"step {step}")
+                opt.step()
+                ref_opt.step()
+                opt.clear_grad(set_to_zero=False)
+                ref_opt.clear_grad(set_to_zero=False)
+                assert all(p.main_grad is None for p in m.parameters())
+            assert gb.stats()["view_repairs"] == 2 * len(list(m.parameters()))  # steps 1 and 2
+        finally:
+            gb.remove()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=p.name)
+
+
 def test_mix_precision_layer_after_buckets_makes_them_step_aside():
     """MixPrecisionLayer applied after the buckets: the buckets cannot hold main_grad, so they
     step aside (one warning) and training is exactly the recipe's own."""
