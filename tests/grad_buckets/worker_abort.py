@@ -1,9 +1,10 @@
 """Worker: a backward that raises mid-pass, then normal steps; data parallel over 2 gloo ranks
-(``fleet.distributed_model`` -> DataParallel), the buckets' collective completing only at
-``wait()`` (``bucket_fakes.DelayedAllReduce``, as NCCL's).
+(``fleet.distributed_model`` -> DataParallel).
 
-Per variant (``W_VARIANTS``): ``every`` (both ranks raise), ``one`` (only rank 0 raises; rank
-1's backward completes and syncs).  Training with buckets: step 0 normal (the buckets learn
+Variants (``W_VARIANTS``, ``<who>-<collective>``): who raises, ``every`` rank or only rank 0
+(``one``: rank 1's backward completes and syncs); the buckets' collective ``gloo`` (completes
+inside the call: a started bucket is already reduced when the failure comes) or ``delayed``
+(completes only at ``wait()``, as NCCL's: ``bucket_fakes.DelayedAllReduce``).  Training with buckets: step 0 normal (the buckets learn
 that every parameter gets one gradient per pass, so in step 1 a bucket starts from a hook
 during backward); step 1: a user hook on the first layer's weight raises after the first bucket
 started, the step is skipped (``clear_grad``, no update); steps 2 and 3 normal.  Stock (the
@@ -102,18 +103,19 @@ def main():
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 2, "mp_degree": 1, "pp_degree": 1}
     fleet.init(is_collective=True, strategy=strategy)
-    dist.all_reduce = DelayedAllReduce()
+    real_all_reduce, delayed = dist.all_reduce, DelayedAllReduce()
     rank = dist.get_rank()
     config = paddle_hybrid.current_config()
     out = {"rank": rank, "variants": {}}
-    for name in os.environ.get("W_VARIANTS", "every,one").split(","):
+    for name in os.environ.get("W_VARIANTS", "every-gloo,one-gloo,every-delayed,one-delayed").split(","):
+        dist.all_reduce = delayed if name.endswith("-delayed") else real_all_reduce
         paddle_hybrid.uninstall_component(COMPONENT)
         try:
             stock = train(with_failure=False, raises=False)
         finally:
             # two buckets of 3 parameters: the first starts before the first layer's hook runs
             paddle_hybrid.install_component(COMPONENT, dataclasses.replace(config, grad_bucket_max_params=3))
-        raises = name == "every" or rank == 0
+        raises = name.startswith("every") or rank == 0
         out["variants"][name] = {"stock": stock, "buckets": train(with_failure=True, raises=raises)}
     paddle_hybrid.install_component(COMPONENT, config)
     save_result(out)
