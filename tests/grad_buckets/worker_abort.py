@@ -4,9 +4,10 @@
 Variants (``W_VARIANTS``, ``<who>-<collective>``): who raises, ``every`` rank or only rank 0
 (``one``: rank 1's backward completes and syncs); the buckets' collective ``gloo`` (completes
 inside the call: a started bucket is already reduced when the failure comes) or ``delayed``
-(completes only at ``wait()``, as NCCL's: ``bucket_fakes.DelayedAllReduce``).  Training with buckets: step 0 normal (the buckets learn
-that every parameter gets one gradient per pass, so in step 1 a bucket starts from a hook
-during backward); step 1: a user hook on the first layer's weight raises after the first bucket
+(completes only at ``wait()``, as NCCL's: ``bucket_fakes.DelayedAllReduce``).
+
+Training with buckets: step 0 normal (the buckets learn that every parameter gets one gradient
+per pass, so in step 1 a bucket starts from a hook during backward); step 1: a user hook on the first layer's weight raises after the first bucket
 started, the step is skipped (``clear_grad``, no update); steps 2 and 3 normal.  Stock (the
 bucket component uninstalled): steps 0, 2 and 3, the same data.  Saved per rank: what the failed
 step left behind, the gradients of steps 2 and 3 as backward returns them, the parameters.
