@@ -14,6 +14,11 @@ points of a pass, ``paddle.Tensor.backward`` and ``paddle.autograd.backward``
 ``paddle.autograd.backward`` from inside one).  Every bucket set that took part (one of its
 hooks ran) then hears ``_backward_done()`` (or ``_backward_aborted()`` if the pass raised).
 
+**The pass raised.**  Paddle reports an exception raised in a gradient hook as a generic
+``OSError`` whose text embeds the original; a bucket set that raised in its hook hands its
+exception back from ``_backward_aborted()``, and the wrapper raises that one instead (chained
+to Paddle's), so the user sees e.g. the :class:`~.sync.GradSyncError` itself.
+
 State is per thread: a pass runs its hooks on the thread that started it.
 """
 from __future__ import annotations
@@ -63,8 +68,9 @@ def flush() -> None:
             owner._accumulated(k)
 
 
-def end_pass(failed: bool = False) -> None:
-    """The outermost backward on this thread returned (or raised, ``failed``)."""
+def end_pass(failed: bool = False):
+    """The outermost backward on this thread returned (or raised, ``failed``).  Returns the
+    first exception a participant's own hook raised in a failed pass (else None)."""
     s = state()
     parts = [ref() for ref in s["parts"].values()]
     s["parts"] = {}
@@ -72,13 +78,16 @@ def end_pass(failed: bool = False) -> None:
         s["pending"] = []
     else:
         flush()
+    first_error = None
     for owner in parts:
         if owner is None:
             continue
         if failed:
-            owner._backward_aborted()
+            error = owner._backward_aborted()  # every participant resets, even after an error
+            first_error = first_error or error
         else:
             owner._backward_done()
+    return first_error
 
 
 def wrap_backward(orig):
@@ -91,10 +100,12 @@ def wrap_backward(orig):
         s["depth"] += 1
         try:
             out = orig(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             s["depth"] -= 1
             if s["depth"] == 0:
-                end_pass(failed=True)
+                hook_error = end_pass(failed=True)
+                if hook_error is not None and hook_error is not exc:
+                    raise hook_error from exc
             raise
         s["depth"] -= 1
         if s["depth"] == 0:

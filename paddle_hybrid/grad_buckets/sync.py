@@ -85,6 +85,7 @@ class GradBuckets:
         plan = plan_buckets(trainable, int(bucket_size_mb * 1024 * 1024), max_params, self.main_grad)
         self.buckets = [Bucket(i, ps, self.main_grad) for i, ps in enumerate(plan)]
         self._flat = [(b.index, p) for b in self.buckets for p in b.params]
+        self._slot = [(b, i) for b in self.buckets for i in range(len(b.params))]  # flat k -> (bucket, i)
         self._index = {id(p): k for k, (_, p) in enumerate(self._flat)}
         # Phase 2, agree: every rank must pair the same bytes.
         if check_layout and self.nranks > 1:
@@ -96,10 +97,13 @@ class GradBuckets:
         self._dirty = False  # gradients added since the last finished sync
         self._removed = self._aside = self._remove_after_pass = self._in_pass = False
         self._on_remove: list = []
-        self.error = None  # the exception a hook raised, re-raised by finish_grad_sync()
+        # the exception a hook raised: raised from the failed backward itself (backward_end),
+        # else (no wrapped backward, or a broken group) once by finish_grad_sync()
+        self.error = None
         self._stats = dict.fromkeys(("steps", "bucket_syncs", "started_by_hook", "started_at_backward_end",
-                                     "started_at_finish", "view_repairs"), 0)
+                                     "started_at_finish", "started_at_abort", "view_repairs"), 0)
         self._hook_calls = 0
+        self._released = False  # gradients were dropped (clear_grad(set_to_zero=False)): re-bind at hooks
         self._handles = [p.register_hook(_make_hook(self, k)) for k, (_, p) in enumerate(self._flat)]
         for _, p in self._flat:
             _REGISTRY[id(p)] = (weakref.ref(p), self)
@@ -163,6 +167,8 @@ class GradBuckets:
                 return self._step_aside(p)
         self._hook_calls += 1
         self._dirty = True
+        if self._released:
+            self._slot[k][0].rebind(self._slot[k][1])  # before Paddle adds: it adds into the view
         if self._readiness.fire(k) and self._flat[k][0] < self._next:
             raise GradSyncError(
                 f"gradient of {self._flat[k][1].name} got another contribution after its bucket's all_reduce "
@@ -174,6 +180,17 @@ class GradBuckets:
         if not self._aside and self._readiness.accumulated(k):
             self._start_ready("started_by_hook")
 
+    def release_grads(self, params) -> None:
+        """``params``' gradients were dropped (``clear_grad(set_to_zero=False)``): ``.grad`` is
+        None as Paddle promises, the buffers keep their memory (the next backward needs it
+        anyway), and each gradient becomes a view again, zeroed, in its hook on the next
+        backward, before Paddle adds into it: no new tensor, no copy.  (A parameter that gets
+        no gradient is put back when its bucket starts, by :meth:`Bucket.ensure_bound`.)"""
+        for p in params:
+            if self._index.get(id(p)) is None:
+                raise ValueError(f"GradBuckets.release_grads: {p.name} is not in these buckets.")
+        self._released = True
+
     def _backward_done(self) -> None:
         self._in_pass = False
         if self._aside or self._remove_after_pass:
@@ -183,27 +200,88 @@ class GradBuckets:
         if self.finish_at_backward_end and self.is_last_microbatch:
             self.finish_grad_sync()
 
-    def _backward_aborted(self) -> None:
+    def _backward_aborted(self):
+        """A backward pass raised.  Leave the set ready for the next step and return the
+        exception one of our hooks raised (None if the error was not ours), for
+        :func:`.backward_end.wrap_backward` to raise in place of Paddle's generic one.
+
+        What happens to the sync window, and why (a multi-rank abort):
+
+        * Buckets already started are waited for.  With NCCL the reduction lands in the
+          buffer whenever the stream gets to it; abandoned, it could overwrite a later
+          ``clear_grad()``'s zeros or the next step's gradients.  On gloo the all_reduce
+          completed inside its call (the peers issued theirs), so the wait costs nothing.
+        * In a last microbatch, the buckets not started yet are started now, in order, and
+          waited for.  Every rank must issue each bucket's all_reduce exactly once per
+          sync, in index order: the other ranks do not know this one failed and issue all
+          of theirs; were this rank to issue fewer, its next step's collectives would pair
+          with their leftovers (a hang, or steps silently mixed).  If every rank failed,
+          every rank completes the sequence: still paired.  The price: the other ranks'
+          average of this step includes this rank's partial gradients.  As with Paddle's
+          and PyTorch's data parallel, a training loop that goes on after a failed backward
+          must agree across ranks (e.g. all_reduce a failure flag) to skip the step
+          everywhere, and clear the gradients: they are partial here.
+        * All per-pass and per-window state is reset (readiness, tasks, next bucket, the
+          stored error): the next step starts clean.  What was learned from complete passes
+          (one contribution per pass) is kept.
+
+        Not covered: a pass that raised before any of this set's hooks ran never reaches
+        here; in a last microbatch the other ranks then wait for collectives this rank
+        never issues (as with stock data parallel).
+        """
         self._in_pass = False
+        error, self.error = self.error, None
         self._readiness.backward_aborted()
+        if self._aside or self._remove_after_pass:
+            self.remove()
+            return error
+        if self.is_last_microbatch or self._next > 0:
+            try:
+                self._complete_window("started_at_abort")
+            except GradSyncError as exc:  # the group is broken: the next finish says so
+                self.error = exc
+            self._reset_window()
+        # else: an earlier microbatch (nothing starts there): only the pass is forgotten
+        return error
 
     # -- protocol ----------------------------------------------------------------------
     def start_grad_sync(self) -> None:
         """Every gradient is final: start every bucket not started yet, in order."""
+        self._start_rest("started_at_finish")
+
+    def _start_rest(self, how: str) -> None:
         if not self._dirty:
             return  # nothing new since the last sync: the buffers hold the average already
         self._readiness.finalize_all()
-        self._start_ready("started_at_finish")
+        self._start_ready(how)
 
     def finish_grad_sync(self) -> None:
         """Start what is left, wait for every bucket, open the next window.  A no-op when no
         gradient was added since the last finished sync."""
         if self.error is not None:
-            raise self.error
+            # raised once: the window it broke is dropped, the next step starts clean
+            error, self.error = self.error, None
+            with contextlib.suppress(GradSyncError):
+                self._wait_started()  # a late result must not land in the next step's buffers
+            self._reset_window()
+            raise error
         backward_end.flush()
         if self._remove_after_pass:
             return self.remove()
-        self.start_grad_sync()
+        synced = self._dirty
+        self._complete_window("started_at_finish")
+        if synced:
+            self._stats["steps"] += 1
+        self._reset_window()
+
+    def _complete_window(self, how: str) -> None:
+        """Start every bucket not started yet (if gradients were added), wait for all."""
+        self._start_rest(how)
+        if self._next == len(self.buckets):
+            self._released = False  # every bucket was started: every gradient is a view again
+        self._wait_started()
+
+    def _wait_started(self) -> None:
         for b in sorted(self._tasks):
             if self._tasks[b] is None:
                 continue
@@ -211,8 +289,9 @@ class GradBuckets:
                 self._tasks[b].wait()
             except Exception as exc:
                 raise self._sync_error(self.buckets[b], exc) from exc
-        if self._dirty:
-            self._stats["steps"] += 1
+
+    def _reset_window(self) -> None:
+        """Forget the sync window (started tasks must be waited for already)."""
         self._tasks.clear()
         self._readiness.new_window()
         self._next, self._dirty, self._in_pass = 0, False, False
@@ -289,7 +368,8 @@ class GradBuckets:
     def stats(self) -> dict:
         """Counters: ``steps`` (syncs finished), ``bucket_syncs`` (buckets started, one all_reduce
         each with > 1 rank), of those ``started_by_hook`` (during backward),
-        ``started_at_backward_end`` and ``started_at_finish``; ``view_repairs`` (gradients put
+        ``started_at_backward_end``, ``started_at_finish`` and ``started_at_abort`` (completing
+        the sequence after a failed backward); ``view_repairs`` (gradients put
         back into a buffer), ``hook_calls``; the layout: ``num_buckets``, ``buckets``,
         ``num_params``."""
         out = dict(self._stats, hook_calls=self._hook_calls)

@@ -19,8 +19,9 @@ parameters only some of which use fleet's ``main_grad``.
 
 Patches (all undone by ``paddle_hybrid.uninstall()``, after every bucket set is removed):
 ``fleet.distributed_model`` (attach), ``HybridParallelOptimizer._hybrid_sync_grad`` (finish the
-buckets, Paddle's sync for everything else), ``Tensor.clear_gradient`` (in-place zero for
-bucketed gradients, so they stay aliases of the buffers), ``Tensor.backward`` and
+buckets, Paddle's sync for everything else), ``Tensor.clear_gradient`` (bucketed gradients:
+``set_to_zero=True`` zeroes in place, so they stay aliases of the buffers; ``False`` drops them,
+``.grad`` is None, and the next backward re-binds the views), ``Tensor.backward`` and
 ``paddle.autograd.backward`` (the end of a backward pass, :mod:`.backward_end`).
 """
 from __future__ import annotations
@@ -191,11 +192,17 @@ def _make_hybrid_sync_grad(orig, config):
 
 def _make_clear_gradient(orig, config):
     def clear_gradient(self, set_to_zero=True):
-        # Paddle's clear would drop the alias or mark it "fake empty" (the next backward then
-        # assigns a fresh tensor): a bucketed gradient is zeroed in place instead.
+        # set_to_zero=True: Paddle's clear would mark the alias "fake empty" (the next backward
+        # then assigns a fresh tensor): a bucketed gradient is zeroed in place instead.
+        # set_to_zero=False: Paddle's promise holds (.grad is None, as torch's set_to_none); the
+        # buckets re-bind the view on the next backward (GradBuckets.release_grads).
         if is_bucketed(self) and not hasattr(self, "main_grad"):
-            self._zero_grads()
-            return None
+            if set_to_zero:
+                self._zero_grads()
+                return None
+            out = orig(self, False)
+            buckets_for_params([self])[0][0].release_grads([self])
+            return out
         return orig(self, set_to_zero)
 
     clear_gradient.__doc__ = orig.__doc__

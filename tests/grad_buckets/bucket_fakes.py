@@ -6,7 +6,8 @@
   tensor only by ``task.wait()``, overwriting anything written in between.  That is what NCCL
   does on its own stream; gloo instead finishes inside the call, which hides a reader that
   runs before the wait.  With a :class:`FakeGroup` the other rank is simulated in one process
-  (its contribution is ``other(snapshot)``); with a real group the wait runs the real
+  (its contribution is ``other(snapshot)``, by default a gradient that differs from this
+  rank's: :func:`differing_replicas`); with a real group the wait runs the real
   all_reduce, so ranks pair up in wait order.
 * :class:`FakeGroup`: a two-rank data-parallel group inside one process.
 * :func:`bucket_code_calls`: which functions of the bucket package ran during a call.
@@ -23,15 +24,33 @@ import paddle
 import paddle.distributed as dist
 
 
+def differing_replicas(nranks=2):
+    """``other(x)`` for ranks whose gradients differ from this rank's ``x``: rank r >= 1 sends
+    ``(1 + 2r) x + r/4``.  Not a common factor of ``x``, so a bucket that skips the 1/nranks
+    scale, the reduce, or both gives wrong numbers (with identical replicas, skipping both
+    leaves the right average in place)."""
+
+    def other(x):
+        total = None
+        for r in range(1, nranks):
+            term = (1 + 2 * r) * x + 0.25 * r
+            total = term if total is None else total + term
+        return total
+
+    return other
+
+
 class FakeGroup:
     """``nranks`` ranks in one process; ``other(x)`` is the sum of what the other ranks send when
-    this rank sends ``x`` (default: they send the same, i.e. identical replicas)."""
+    this rank sends ``x`` (default: :func:`differing_replicas`)."""
 
     def __init__(self, nranks=2, other=None):
+        if nranks < 2:
+            raise ValueError(f"FakeGroup: nranks must be >= 2 (one rank needs no group), got {nranks}.")
         self.nranks = nranks
         self.ranks = list(range(nranks))
         self.id = -1
-        self.other = other or (lambda x: x * (nranks - 1))
+        self.other = other or differing_replicas(nranks)
 
 
 class _Task:

@@ -10,7 +10,7 @@ import paddle_hybrid
 from paddle_hybrid import grad_buckets, layout_check
 from paddle_hybrid.grad_buckets import GradBuckets, GradSyncError, plan_buckets
 from paddle_hybrid.grad_buckets.readiness import Readiness
-from bucket_fakes import FakeGroup, delayed_all_reduce
+from bucket_fakes import FakeGroup, SyncingOptimizer, delayed_all_reduce
 
 
 def _model(seed=0):
@@ -59,6 +59,9 @@ def test_existing_gradients_are_kept_and_become_aliases():
 
 @pytest.mark.parametrize("set_to_zero", [True, False])
 def test_grads_stay_aliases_across_steps_and_clear_grad(set_to_zero):
+    """``clear_grad()`` zeroes the views in place; ``clear_grad(set_to_zero=False)`` keeps
+    Paddle's promise (``.grad`` is None until the next backward), and that backward's
+    gradients are views again, re-bound in their hooks (no repair copy), equal to stock."""
     m, ref = _model(), _model()
     opt = paddle.optimizer.SGD(0.1, parameters=m.parameters())
     ref_opt = paddle.optimizer.SGD(0.1, parameters=ref.parameters())
@@ -77,8 +80,12 @@ def test_grads_stay_aliases_across_steps_and_clear_grad(set_to_zero):
             ref_opt.step()
             opt.clear_grad(set_to_zero=set_to_zero)
             ref_opt.clear_grad(set_to_zero=set_to_zero)
-            assert _in_buffer(gb), f"step {step}"
-            assert float(sum(b.buffer.abs().sum() for b in gb.buckets)) == 0.0
+            if set_to_zero:
+                assert _in_buffer(gb), f"step {step}"
+                assert float(sum(b.buffer.abs().sum() for b in gb.buckets)) == 0.0
+            else:
+                assert all(p.grad is None for p in m.parameters()), f"step {step}: .grad must be None"
+                assert all(q.grad is None for q in ref.parameters()), "sanity: Paddle's own contract"
         st = gb.stats()
         assert st["steps"] == 3 and st["bucket_syncs"] == 3 * st["num_buckets"] and st["view_repairs"] == 0
         # step 0 learns that every parameter gets one contribution per pass (from the no_sync
@@ -113,17 +120,18 @@ def test_replaced_grad_is_put_back_into_the_buffer(monkeypatch):
 
 # -- protocol --------------------------------------------------------------------------------
 
-def _average(model):
-    """In place, what the two ranks' all_reduce makes of each local gradient g: g/2 + 3 g/2."""
+def _average(model, group):
+    """In place, what the two ranks' all_reduce makes of each local gradient g: g/2 + other(g/2)."""
     with paddle.no_grad():
         for q in model.parameters():
-            q.grad.copy_(q.grad * 0.5 + 3.0 * (q.grad * 0.5), False)
+            half = q.grad * 0.5
+            q.grad.copy_(half + group.other(half), False)
 
 
 def test_two_synced_backwards_give_the_sum_of_two_averages():
     """A second backward outside no_sync() adds its local gradient onto the first average;
     syncing again averages both (what DataParallel's reducer gives)."""
-    group = FakeGroup(other=lambda x: 3.0 * x)
+    group = FakeGroup()
     m, ref = _model(), _model()
     with delayed_all_reduce():
         gb = GradBuckets(m.parameters(), group=group, check_layout=False)
@@ -131,7 +139,7 @@ def test_two_synced_backwards_give_the_sum_of_two_averages():
             for step in (0, 1):
                 m(_x(step)).mean().backward()
                 ref(_x(step)).mean().backward()
-                _average(ref)
+                _average(ref, group)
             for p, q in zip(m.parameters(), ref.parameters()):
                 np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
             assert gb.stats()["steps"] == 2
@@ -139,11 +147,52 @@ def test_two_synced_backwards_give_the_sum_of_two_averages():
             gb.remove()
 
 
+def test_released_grads_come_back_as_averaged_views():
+    """``clear_grad(set_to_zero=False)`` with two ranks (``FakeGroup``): ``.grad`` is None in
+    between, as Paddle promises; the next backward's gradients are views of the buffers again
+    (re-bound in the hooks, so no repair copy), averaged, equal to stock Paddle's gradients
+    given the same average; parameters equal after three steps.  Exact: the same float ops."""
+    group = FakeGroup()
+    m, ref = _model(), _model()
+    ref_opt = paddle.optimizer.SGD(0.1, parameters=ref.parameters())
+    with delayed_all_reduce():
+        gb = GradBuckets(m.parameters(), group=group, bucket_size_mb=0.001, check_layout=False)
+        opt = SyncingOptimizer(paddle.optimizer.SGD(0.1, parameters=m.parameters()), gb)
+        try:
+            for step in range(3):
+                m(_x(step)).mean().backward()
+                ref(_x(step)).mean().backward()
+                _average(ref, group)
+                assert _in_buffer(gb), f"step {step}: gradients are not views of the buffers"
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy(), err_msg=f"step {step} {p.name}")
+                opt.step()
+                ref_opt.step()
+                opt.clear_grad(set_to_zero=False)
+                ref_opt.clear_grad(set_to_zero=False)
+                assert all(p.grad is None for p in m.parameters()), f"step {step}"
+            assert gb.stats()["view_repairs"] == 0 and gb.stats()["steps"] == 3
+        finally:
+            gb.remove()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=p.name)
+
+
+def test_release_grads_rejects_a_foreign_parameter():
+    m, other = _model(), _model(1)
+    gb = GradBuckets(m.parameters(), group=None)
+    try:
+        with pytest.raises(ValueError, match="not in these buckets"):
+            gb.release_grads([next(iter(other.parameters()))])
+    finally:
+        gb.remove()
+
+
 def test_owner_driven_last_microbatch_and_finish():
     """How a pipeline drives the protocol: microbatches not last, the last one marked, the
     sync finished by the owner (not at the end of backward)."""
     group = FakeGroup()
-    m = _model()
+    m, ref = _model(), _model()
     with delayed_all_reduce() as fake:
         gb = GradBuckets(m.parameters(), group=group, check_layout=False, finish_at_backward_end=False)
         try:
@@ -151,13 +200,18 @@ def test_owner_driven_last_microbatch_and_finish():
                 gb.is_last_microbatch = False
                 for k in range(2):
                     m(_x(10 * step + k)).mean().backward()
+                    ref(_x(10 * step + k)).mean().backward()
                 assert len(fake.calls) == step * gb.stats()["num_buckets"], "nothing starts before the last"
                 gb.is_last_microbatch = True
                 m(_x(10 * step + 2)).mean().backward()
+                ref(_x(10 * step + 2)).mean().backward()
                 assert gb.stats()["bucket_syncs"] == (step + 1) * gb.stats()["num_buckets"]
                 gb.finish_grad_sync()
                 gb.finish_grad_sync()  # nothing new: no second all_reduce
                 assert len(fake.calls) == (step + 1) * gb.stats()["num_buckets"]
+                _average(ref, group)  # the sum of the three microbatches (and the previous average), averaged
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy(), err_msg=f"step {step} {p.name}")
             assert gb.stats()["started_by_hook"] == 2 * gb.stats()["num_buckets"]
         finally:
             gb.remove()
@@ -218,3 +272,45 @@ def test_layout_mismatch_names_the_parameter(monkeypatch):
         GradBuckets(m.parameters(), group=FakeGroup())
     assert "fuse_all_reduce_ops=False" in str(info.value)
     assert not any(grad_buckets.is_bucketed(p) for p in m.parameters())
+
+
+# -- a backward that raised ----------------------------------------------------------------
+
+def _failing_backward(model, step):
+    """A backward whose hook on the first layer's weight (its gradient comes last) raises."""
+    handle = model[0].weight.register_hook(lambda g: (_ for _ in ()).throw(ValueError("injected")))
+    try:
+        with pytest.raises(OSError, match="injected"):  # Paddle's report of a hook's exception
+            model(_x(step)).mean().backward()
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("last_microbatch", [True, False])
+def test_a_failed_pass_completes_its_sync_only_in_a_last_microbatch(last_microbatch):
+    """A last microbatch that fails still issues every bucket's all_reduce once, in order (the
+    other ranks issue theirs); an earlier microbatch (no_sync) issues none.  Either way the
+    next step syncs normally: after clear_grad, gradients equal the two-rank average."""
+    group = FakeGroup()
+    m, ref = _model(), _model()
+    with delayed_all_reduce() as fake:
+        gb = GradBuckets(m.parameters(), group=group, bucket_size_mb=0.001, check_layout=False)
+        try:
+            n = gb.stats()["num_buckets"]
+            if last_microbatch:
+                _failing_backward(m, 0)
+            else:
+                with gb.no_sync():
+                    _failing_backward(m, 0)
+            assert len(fake.calls) == (n if last_microbatch else 0)
+            assert gb.stats()["started_at_abort"] == (n if last_microbatch else 0)
+            assert gb._tasks == {} and gb._next == 0 and gb.error is None
+            for model in (m, ref):
+                model.clear_gradients()
+                model(_x(1)).mean().backward()
+            _average(ref, group)
+            assert len(fake.calls) == (2 * n if last_microbatch else n)
+            for p, q in zip(m.parameters(), ref.parameters()):
+                np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy(), err_msg=p.name)
+        finally:
+            gb.remove()
