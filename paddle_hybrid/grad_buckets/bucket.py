@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import paddle
 
-from .. import ops
+from .. import grad_tools, ops
 
 __all__ = ["ALIGN_BYTES", "Bucket", "plan_buckets", "grad_nbytes"]
 
@@ -85,8 +85,7 @@ class Bucket:
     # -- what a parameter's gradient is -----------------------------------------------
     def _current(self, p):
         """The parameter's gradient tensor as Paddle or the main_grad recipe sees it (or None)."""
-        g = getattr(p, "main_grad", None) if self.main_grad else p._grad_ivar()
-        return g if g is not None and g._is_initialized() else None
+        return grad_tools.current_grad(p, self.main_grad)
 
     def _seed(self, p):
         g = self._current(p)
@@ -105,8 +104,7 @@ class Bucket:
             view._share_buffer_to(p._grad_ivar())      # ... then pointed into the buffer
 
     def is_bound(self, i: int) -> bool:
-        g = self._current(self.params[i])
-        return g is not None and g.data_ptr() == self._ptrs[i]
+        return grad_tools.points_at(self._current(self.params[i]), self._ptrs[i])
 
     # -- repair -----------------------------------------------------------------------
     def rebind(self, i: int) -> bool:
@@ -115,12 +113,8 @@ class Bucket:
         whether anything had to be done."""
         if self.is_bound(i):
             return False
+        grad_tools.refill(self.views[i], self._current(self.params[i]))
         with paddle.no_grad():
-            current = self._current(self.params[i])
-            if current is None:
-                self.views[i].zero_()
-            else:
-                self.views[i].copy_(current.astype(self.views[i].dtype), False)
             self._alias(i)
         return True
 
@@ -129,8 +123,7 @@ class Bucket:
         (Runs before every all_reduce: the common case, nothing to repair, is kept cheap.)"""
         repaired = 0
         for i, (p, ptr) in enumerate(zip(self.params, self._ptrs)):
-            g = p.main_grad if self.main_grad else p._grad_ivar()
-            if g is None or not g._is_initialized() or g.data_ptr() != ptr:
+            if not grad_tools.points_at(self._current(p), ptr):
                 repaired += self.rebind(i)
         return repaired
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+from .. import grad_tools
 from ..pipeline_chunk import backward_chunk, takes_chunk_id
 from . import backward_end
 from .sync import GradBuckets, all_bucket_sets, buckets_for_params, is_bucketed
@@ -198,7 +199,7 @@ def _make_clear_gradient(orig, config):
         # buckets re-bind the view on the next backward (GradBuckets.release_grads).
         if is_bucketed(self) and not hasattr(self, "main_grad"):
             if set_to_zero:
-                self._zero_grads()
+                grad_tools.zero_grad_in_place(self)
                 return None
             out = orig(self, False)
             buckets_for_params([self])[0][0].release_grads([self])
