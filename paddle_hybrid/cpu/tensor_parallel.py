@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import functools
 
+from ..device import is_gloo, on_cpu
+
 __all__ = ["apply", "PATCHED_MP_OPS"]
 
 
@@ -88,9 +90,12 @@ def _py_layers():
 
     class IdentityForwardSumBackward(PyLayer):
         @staticmethod
-        def forward(ctx, x, group):
+        def forward(ctx, x, group, copy=True):
             ctx.group = group
-            return x.clone()
+            # Without the copy, a view of the same memory: returning ``x`` itself (or
+            # ``detach``/``reshape`` of it) makes the output an in-place result, which Paddle
+            # refuses for a leaf that needs a gradient; ``view`` does not.
+            return x.clone() if copy else x.view(x.shape)
 
         @staticmethod
         def backward(ctx, dy):
@@ -177,25 +182,23 @@ def _layers():
 
 
 # ---------------------------------------------------------------------------
-# replacements (dygraph: ours; static/PIR: Paddle's)
+# replacements: ours for a dygraph call on a gloo group with a CPU tensor, else Paddle's
 # ---------------------------------------------------------------------------
 
-def _dygraph_only(orig):
-    """Wrap a replacement so static and PIR programs keep Paddle's original."""
+def _ours(group, tensor) -> bool:
+    """The device rule, asked per call: the emulations were written and tested for dygraph
+    calls on gloo groups with tensors in host memory; anything else (static or PIR
+    programs, NCCL/XCCL groups, device tensors on a build that has them) goes to Paddle."""
+    import paddle
 
-    def decorate(replacement):
-        @functools.wraps(orig)
-        def wrapper(*args, **kwargs):
-            import paddle
+    return paddle.in_dynamic_mode() and is_gloo(group) and on_cpu(tensor)
 
-            if not paddle.in_dynamic_mode():
-                return orig(*args, **kwargs)
-            return replacement(*args, **kwargs)
 
-        wrapper.__wrapped_original__ = orig
-        return wrapper
-
-    return decorate
+def _keeps_original(orig, replacement):
+    """``replacement`` wrapped to look like ``orig``, which it remembers for :func:`apply`."""
+    wrapper = functools.wraps(orig)(replacement)
+    wrapper.__wrapped_original__ = orig
+    return wrapper
 
 
 def _not_member(group):
@@ -203,32 +206,38 @@ def _not_member(group):
 
 
 def _make_c_identity(orig):
-    @_dygraph_only(orig)
     def _c_identity(tensor, group=None, skip_c_identity_dynamic=False):
+        if not _ours(group, tensor):
+            return orig(tensor, group=group, skip_c_identity_dynamic=skip_c_identity_dynamic)
         if _not_member(group):
             return None
-        if skip_c_identity_dynamic:  # the user asked for no op at all (mp_skip_c_identity)
-            return tensor
         group, _, _ = _resolve(group)
-        return _layers()["identity_sum"].apply(tensor, group)
+        # skip_c_identity_dynamic (mp_skip_c_identity) skips the forward copy only: the
+        # backward still sums the gradient over the group, as Paddle's c_identity_eager does.
+        return _layers()["identity_sum"].apply(tensor, group, not skip_c_identity_dynamic)
 
-    return _c_identity
+    return _keeps_original(orig, _c_identity)
 
 
 def _make_mp_allreduce(orig):
-    @_dygraph_only(orig)
     def _mp_allreduce(tensor, op=None, group=None, use_calc_stream=True, use_model_parallel=True,
                       skip_c_identity_dynamic=False):
         from paddle.distributed import ReduceOp
 
+        if not _ours(group, tensor):
+            return orig(tensor, op=ReduceOp.SUM if op is None else op, group=group,
+                        use_calc_stream=use_calc_stream, use_model_parallel=use_model_parallel,
+                        skip_c_identity_dynamic=skip_c_identity_dynamic)
         if _not_member(group):
             return None
         if op is not None and op != ReduceOp.SUM:
             raise ValueError(f"paddle_hybrid.cpu: _mp_allreduce supports ReduceOp.SUM only, got {op}.")
         group, _, _ = _resolve(group)
+        # The backward is the identity with or without skip_c_identity_dynamic (Paddle's
+        # c_identity kernel on dy is a copy), so the flag changes nothing here.
         return _layers()["sum_identity"].apply(tensor, group)
 
-    return _mp_allreduce
+    return _keeps_original(orig, _mp_allreduce)
 
 
 def _make_last_dim(layer_key):
@@ -236,14 +245,15 @@ def _make_last_dim(layer_key):
     the autograd function named by ``layer_key`` ("split" or "gather")."""
 
     def make(orig):
-        @_dygraph_only(orig)
         def last_dim_op(tensor, group=None):
+            if not _ours(group, tensor):
+                return orig(tensor, group=group)
             if _not_member(group):
                 return None
             group, rank, nranks = _resolve(group)
             return _layers()[layer_key].apply(tensor, group, rank, nranks)
 
-        return last_dim_op
+        return _keeps_original(orig, last_dim_op)
 
     return make
 
@@ -253,10 +263,11 @@ _make_c_concat = _make_last_dim("gather")
 
 
 def _make_cross_entropy(orig):
-    @_dygraph_only(orig)
     def _c_softmax_with_cross_entropy(logits, label, group=None, return_softmax=False, ignore_index=-100):
         import paddle
 
+        if not _ours(group, logits):
+            return orig(logits, label, group=group, return_softmax=return_softmax, ignore_index=ignore_index)
         if _not_member(group):
             return None
         group, rank, nranks = _resolve(group)
@@ -270,7 +281,7 @@ def _make_cross_entropy(orig):
         loss, softmax = _layers()["cross_entropy"].apply(logits, label, group, rank, ignore_index)
         return (loss, softmax) if return_softmax else loss
 
-    return _c_softmax_with_cross_entropy
+    return _keeps_original(orig, _c_softmax_with_cross_entropy)
 
 
 # ---------------------------------------------------------------------------
@@ -317,20 +328,42 @@ def _broadcast_nested_(data, group, src):
         dist.broadcast_object_list([data], src=src, group=group)
 
 
-def _make_broadcast_input_data(orig):
-    @functools.wraps(orig)
-    def broadcast_input_data(hcg, *inputs, **kwargs):
-        import paddle
+def _tensors(data):
+    """Every tensor in ``data``, walked as :func:`_broadcast_nested_` walks it."""
+    import paddle
 
-        if paddle.get_device().split(":")[0] != "cpu":
-            return orig(hcg, *inputs, **kwargs)
+    if isinstance(data, paddle.Tensor):
+        yield data
+    elif isinstance(data, dict):
+        for value in data.values():
+            yield from _tensors(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _tensors(value)
+
+
+def _inputs_ours(group, inputs, kwargs) -> bool:
+    """The device rule for the input broadcast: a gloo group and every tensor on CPU (no
+    tensor at all: new tensors are placed on CPU)."""
+    from ..device import running_on_cpu
+
+    if not is_gloo(group):
+        return False
+    tensors = list(_tensors((inputs, kwargs)))
+    return all(on_cpu(t) for t in tensors) if tensors else running_on_cpu()
+
+
+def _make_broadcast_input_data(orig):
+    def broadcast_input_data(hcg, *inputs, **kwargs):
         group = hcg.get_model_parallel_group()
+        if not _inputs_ours(group, inputs, kwargs):
+            return orig(hcg, *inputs, **kwargs)
         src = hcg.get_model_parallel_group_src_rank()
         _broadcast_nested_(inputs, group, src)
         _broadcast_nested_(kwargs, group, src)
         return inputs, kwargs
 
-    return broadcast_input_data
+    return _keeps_original(orig, broadcast_input_data)
 
 
 # ---------------------------------------------------------------------------
