@@ -367,6 +367,72 @@ def _make_broadcast_input_data(orig):
 
 
 # ---------------------------------------------------------------------------
+# 7-8. the overlapped linears (mp_configs.mp_async_allreduce, sp_async_reduce_scatter)
+# ---------------------------------------------------------------------------
+
+# InnerOverlapLinear.forward's parameters after ctx (3.3.1); the flag at this index is the
+# one a CPU call turns on.
+_OVERLAP_FORWARD_PARAMS = ["ctx", "x", "weight", "bias", "fuse_matmul_bias", "mp_async_allreduce",
+                           "mp_skip_c_identity", "mp_fused_linear_param_grad_add", "model_parallel_group"]
+
+
+def _make_overlap_forward(orig):
+    """``InnerOverlapLinear.forward`` calls the ``c_identity`` kernel on ``x`` unless
+    ``mp_skip_c_identity``; on CPU that kernel raises.  Inside a PyLayer forward the kernel
+    is only a copy (nothing records it for autograd: this layer's own backward all-reduces
+    dx), so a CPU/gloo call runs Paddle's forward with the copy skipped: same values."""
+
+    def forward(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
+                mp_fused_linear_param_grad_add, model_parallel_group):
+        if _ours(model_parallel_group, x):
+            mp_skip_c_identity = True
+        return orig(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
+                    mp_fused_linear_param_grad_add, model_parallel_group)
+
+    return _keeps_original(orig, forward)
+
+
+def _make_unfused_backward(orig):
+    """The backward of ``InnerOverlapLinear`` / ``SPInnerOverlapLinear``: with
+    ``mp_fused_linear_param_grad_add`` it needs the fused GPU kernel of that name and raises
+    NotImplementedError on CPU.  A CPU/gloo call runs Paddle's own unfused branch instead
+    (``dw = x^T dy``, ``dbias = sum(dy)`` returned to autograd, which adds them to ``.grad``,
+    or MixPrecisionLayer's hook to ``main_grad``): the same sums the fused kernel forms in place."""
+
+    def backward(ctx, dy):
+        if not (ctx.mp_fused_linear_param_grad_add and _ours(ctx.model_parallel_group, dy)):
+            return orig(ctx, dy)
+        ctx.mp_fused_linear_param_grad_add = False
+        try:
+            return orig(ctx, dy)
+        finally:
+            ctx.mp_fused_linear_param_grad_add = True
+
+    return _keeps_original(orig, backward)
+
+
+def _check_overlap_linears(patcher):
+    """The two overlapped linear PyLayers, their signatures checked (before any change)."""
+    from paddle.distributed.fleet.layers.mpu import mp_layers
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
+
+    inner = patcher.require(mp_layers, "InnerOverlapLinear", "mp_layers")
+    sp_inner = patcher.require(spu, "SPInnerOverlapLinear", "sequence_parallel_utils")
+    patcher.check_params(inner.forward, _OVERLAP_FORWARD_PARAMS, "mp_layers.InnerOverlapLinear.forward")
+    for cls, where in ((inner, "mp_layers"), (sp_inner, "sequence_parallel_utils")):
+        patcher.check_params(cls.backward, ["ctx", "dy"], f"{where}.{cls.__name__}.backward")
+    return inner, sp_inner
+
+
+def _patch_overlap_linears(patcher, inner, sp_inner) -> None:
+    # PyLayer looks forward and backward up on the class at each call; there they are
+    # staticmethods, so the replacements are too.
+    patcher.set(inner, "forward", staticmethod(_make_overlap_forward(inner.forward)))
+    for cls in (inner, sp_inner):
+        patcher.set(cls, "backward", staticmethod(_make_unfused_backward(cls.backward)))
+
+
+# ---------------------------------------------------------------------------
 
 # mp_ops functions replaced: the parameter names they were written against (3.3.1) and
 # the maker of the replacement.
@@ -392,6 +458,7 @@ def apply(patcher) -> None:
     bcast = patcher.require(hybrid_parallel_util, "broadcast_input_data", "hybrid_parallel_util")
     patcher.check_params(bcast, ["hcg", "inputs", "kwargs"], "hybrid_parallel_util.broadcast_input_data")
     patcher.require(tensor_parallel, "broadcast_input_data", "meta_parallel.tensor_parallel")
+    overlap_linears = _check_overlap_linears(patcher)
 
     for name, (_, maker) in PATCHED_MP_OPS.items():
         replacement = maker(getattr(mp_ops, name))
@@ -401,3 +468,4 @@ def apply(patcher) -> None:
     new_bcast = _make_broadcast_input_data(bcast)
     patcher.set(hybrid_parallel_util, "broadcast_input_data", new_bcast)
     patcher.set(tensor_parallel, "broadcast_input_data", new_bcast)
+    _patch_overlap_linears(patcher, *overlap_linears)

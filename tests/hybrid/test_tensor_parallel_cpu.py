@@ -75,6 +75,51 @@ def test_tp2(sp):
     _check(res)
 
 
+@pytest.mark.parametrize("sp", [0, 1], ids=["tp4", "tp4_sequence_parallel"])
+def test_tp4(sp):
+    res = _train(4, mp=4, sp=sp)
+    assert sorted(r["coords"] for r in res) == [(0, m, 0) for m in range(4)]
+    _check(res)
+
+
+def test_tp2_mp_async_allreduce():
+    """mp_configs.mp_async_allreduce (without mp_skip_c_identity): ColumnParallelLinear runs
+    Paddle's InnerOverlapLinear, whose forward calls the c_identity kernel itself."""
+    res = _train(2, mp=2, mp_configs="mp_async_allreduce")
+    assert all(r["mp_configs"] == {"mp_async_allreduce": True} for r in res)
+    _check(res)
+
+
+_SP_ASYNC = "mp_async_allreduce,sp_async_reduce_scatter"
+# mp_fused_linear_param_grad_add is read only with mp_async_allreduce; with
+# sp_async_reduce_scatter the sequence-parallel column linear runs SPInnerOverlapLinear.
+FUSED_GRAD_ADD_CASES = {
+    "tp2": {"sp": 0, "mp_configs": "mp_async_allreduce"},
+    "sequence_parallel": {"sp": 1, "mp_configs": _SP_ASYNC},
+    "sequence_parallel_sync_param_grad_moment": {"sp": 1, "mp_configs": _SP_ASYNC + ",sync_param,sync_grad,sync_moment"},
+    "sequence_parallel_main_grad": {"sp": 1, "main_grad": 1, "mp_configs": _SP_ASYNC},
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_GRAD_ADD_CASES))
+def test_fused_linear_param_grad_add_trains_as_unfused(case):
+    """mp_configs.mp_fused_linear_param_grad_add: Paddle's overlapped linears need a fused GPU
+    kernel in backward. On CPU the same run must give bitwise the numbers of the flag off (the
+    same sums, unfused), and both the single-process reference."""
+    plain_kw = FUSED_GRAD_ADD_CASES[case]
+    fused_kw = dict(plain_kw, mp_configs=plain_kw["mp_configs"] + ",mp_fused_linear_param_grad_add")
+    plain = sorted(_train(2, mp=2, **plain_kw), key=lambda r: r["rank"])
+    fused = sorted(_train(2, mp=2, **fused_kw), key=lambda r: r["rank"])
+    assert all(r["mp_configs"]["mp_fused_linear_param_grad_add"] for r in fused)
+    _check(fused)
+    for a, b in zip(plain, fused):
+        assert a["losses"] == b["losses"], f"rank {a['rank']}"
+        for k, want in a["params"].items():
+            np.testing.assert_array_equal(b["params"][k], want, err_msg=f"rank {a['rank']} {k}")
+    if plain_kw.get("main_grad"):
+        assert all(r["main_grads"] > 0 for r in fused)
+
+
 def test_tp2_x_pp2():
     res = _train(4, mp=2, pp=2, acc=4)
     assert sorted(r["coords"] for r in res) == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
