@@ -1,16 +1,20 @@
 """Tensor parallel (``mp_degree > 1``) on gloo.
 
-Stock Paddle 3.3.1 stops a CPU tensor-parallel run in these places; each is replaced,
-in dygraph only (static and PIR programs keep Paddle's ops), by autograd functions over
-the gloo collectives ``all_reduce`` and ``all_gather``:
+Stock Paddle 3.3.1 stops a CPU tensor-parallel run in these places; each is replaced by
+autograd functions over the gloo collectives ``all_reduce`` and ``all_gather``, or by
+Paddle's own code with the CPU-less kernel left out.  The device rule is asked per call:
+a replacement does its work only for a dygraph call on a gloo group with tensors in host
+memory, and hands anything else (static or PIR programs, NCCL/XCCL groups, device tensors)
+to Paddle's original unchanged.
 
 1. ``TensorParallel._pre_forward`` -> ``broadcast_input_data`` asserts "Only support xpu,
    gpu and custom_device now, but this is cpu".  Patch: on CPU the inputs are broadcast
    from the model-parallel source rank in place (nested lists/tuples/dicts as Paddle
-   walks them); other devices keep Paddle's function.
+   walks them) when the group is gloo and every tensor is on CPU.
 2. ``_c_identity`` (the entry of ``ColumnParallelLinear``): the CPU kernel raises "Do not
-   support c_identity for cpu kernel now".  Patch: identity forward, all_reduce(sum)
-   of the gradient over the mp group.
+   support c_identity for cpu kernel now".  Patch: identity forward (a copy, or with
+   ``skip_c_identity_dynamic`` a view), all_reduce(sum) of the gradient over the mp group
+   in both cases.
 3. ``_mp_allreduce`` (``RowParallelLinear``, ``VocabParallelEmbedding``): its backward
    calls the same ``c_identity`` kernel.  Patch: all_reduce(sum) forward, identity
    backward.
@@ -25,6 +29,14 @@ the gloo collectives ``all_reduce`` and ``all_gather``:
    cross entropy (global max and sum by all_reduce, the label's logit from the rank that
    holds it), backward ``softmax - one_hot`` on the local vocab slice, ``ignore_index``
    rows zero in both.
+7. ``InnerOverlapLinear`` (``ColumnParallelLinear`` with ``mp_configs.mp_async_allreduce``)
+   calls the ``c_identity`` kernel in its forward unless ``mp_skip_c_identity``.  Patch:
+   on CPU its forward runs with that copy skipped (same values; its backward all-reduces
+   dx itself).
+8. ``mp_configs.mp_fused_linear_param_grad_add`` (with ``mp_async_allreduce``): the
+   backward of ``InnerOverlapLinear`` and of ``SPInnerOverlapLinear`` (sequence parallel
+   with ``sp_async_reduce_scatter``) raises NotImplementedError without the fused GPU
+   kernel.  Patch: on CPU Paddle's unfused branch of the same backward.
 
 ``_c_lookup_table`` (``c_embedding``) and the model-parallel RNG tracker already work on
 CPU and are not touched.  Every function is also reachable as
