@@ -37,6 +37,10 @@ to Paddle's original unchanged.
    backward of ``InnerOverlapLinear`` and of ``SPInnerOverlapLinear`` (sequence parallel
    with ``sp_async_reduce_scatter``) raises NotImplementedError without the fused GPU
    kernel.  Patch: on CPU Paddle's unfused branch of the same backward.
+9. ``sequence_parallel_utils.all_gather`` (``ScatterOp`` backward, ``GatherOp``,
+   ``AllGatherOp``, the sequence-parallel column linear): gloo refuses a strided input
+   ("The tensor must be contiguous"), e.g. the scatter of a transposed activation fed
+   straight into a sequence-parallel linear.  Patch: on CPU a contiguous copy is gathered.
 
 ``_c_lookup_table`` (``c_embedding``) and the model-parallel RNG tracker already work on
 CPU and are not touched.  Every function is also reachable as
@@ -445,6 +449,28 @@ def _patch_overlap_linears(patcher, inner, sp_inner) -> None:
 
 
 # ---------------------------------------------------------------------------
+# 9. sequence parallel all_gather of a strided tensor
+# ---------------------------------------------------------------------------
+
+def _make_sp_all_gather(orig):
+    """``sequence_parallel_utils.all_gather`` hands its input straight to the process group,
+    and gloo refuses a strided view ("The tensor must be contiguous"): ``ScatterOp`` of a
+    transposed ``[b, s, h]`` activation is one, and so is what a sequence-parallel linear
+    gathers when it follows the scatter directly.  A CPU/gloo call gathers a dense copy."""
+
+    def all_gather(input):  # noqa: A002  (Paddle's parameter name)
+        from paddle.distributed import fleet
+
+        group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
+        if _ours(group, input) and not input.is_contiguous():
+            # a dense copy; ``Tensor.contiguous()`` would re-lay the caller's tensor in place
+            input = input.clone()
+        return orig(input)
+
+    return _keeps_original(orig, all_gather)
+
+
+# ---------------------------------------------------------------------------
 
 # mp_ops functions replaced: the parameter names they were written against (3.3.1) and
 # the maker of the replacement.
@@ -464,6 +490,7 @@ def apply(patcher) -> None:
     from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel import tensor_parallel
     from paddle.distributed.fleet.utils import hybrid_parallel_util
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
     for name, (params, _) in PATCHED_MP_OPS.items():
         patcher.check_params(patcher.require(mp_ops, name, "mp_ops"), params, f"mp_ops.{name}")
@@ -471,6 +498,8 @@ def apply(patcher) -> None:
     patcher.check_params(bcast, ["hcg", "inputs", "kwargs"], "hybrid_parallel_util.broadcast_input_data")
     patcher.require(tensor_parallel, "broadcast_input_data", "meta_parallel.tensor_parallel")
     overlap_linears = _check_overlap_linears(patcher)
+    sp_all_gather = patcher.require(spu, "all_gather", "sequence_parallel_utils")
+    patcher.check_params(sp_all_gather, ["input"], "sequence_parallel_utils.all_gather")
 
     for name, (_, maker) in PATCHED_MP_OPS.items():
         replacement = maker(getattr(mp_ops, name))
@@ -481,3 +510,6 @@ def apply(patcher) -> None:
     patcher.set(hybrid_parallel_util, "broadcast_input_data", new_bcast)
     patcher.set(tensor_parallel, "broadcast_input_data", new_bcast)
     _patch_overlap_linears(patcher, *overlap_linears)
+    # ScatterOp, GatherOp, AllGatherOp, ReduceScatterOp and SPInnerOverlapLinear look the
+    # module's all_gather up at each call.
+    patcher.set(spu, "all_gather", _make_sp_all_gather(sp_all_gather))

@@ -120,6 +120,32 @@ def test_fused_linear_param_grad_add_trains_as_unfused(case):
         assert all(r["main_grads"] > 0 for r in fused)
 
 
+@pytest.fixture(scope="module")
+def tp2_x_dp2_scatter_mlp():
+    """TP2 x DP2 with sequence parallel over a strided scatter (tp_models ``ScatterMLP``)."""
+    res = _train(4, mp=2, dp=2, sp=2)
+    _check(res)
+    return {r["coords"]: r for r in res}
+
+
+@pytest.mark.parametrize("level", ["os_g", "p_g_os"])
+def test_tp2_sequence_parallel_x_group_sharded(level, tp2_x_dp2_scatter_mlp):
+    """group_sharded_parallel (stage 2, stage 3) on fleet's sharding group beside TP2 with
+    sequence parallel: the sequence-parallel linear all-gathers a strided view, which gloo
+    refuses unless it is made contiguous. Same data shards as TP2 x DP2: equal to it and to
+    one process."""
+    res = _train(4, mp=2, sharding=2, sp=2, group_sharded=level)
+    want_class = {"os_g": "GroupShardedStage2", "p_g_os": "GroupShardedStage3"}[level]
+    assert all(r["model_class"] == want_class for r in res)
+    _check(res)
+    for r in res:
+        dp = tp2_x_dp2_scatter_mlp[r["coords"]]
+        where = f"rank {r['rank']} (data shard, mp, pp) = {r['coords']}"
+        np.testing.assert_allclose(r["losses"], dp["losses"], rtol=TOL, atol=TOL, err_msg=where)
+        for k, got in r["params"].items():
+            np.testing.assert_allclose(got, dp["params"][k], rtol=0, atol=TOL, err_msg=f"{where} {k}")
+
+
 def test_tp2_x_pp2():
     res = _train(4, mp=2, pp=2, acc=4)
     assert sorted(r["coords"] for r in res) == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]

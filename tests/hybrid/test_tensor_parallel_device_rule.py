@@ -7,7 +7,8 @@ installed, so the fake is the "original" the replacement wraps.  A call with a g
 process group is NCCL (by class name, which is what the rule reads) must reach the fake with
 the same arguments; so must a gloo call with a tensor that is not in host memory.  The
 controls show the same calls on a gloo group with a CPU tensor do not reach it (or reach it
-changed, where the replacement's CPU work is to adjust Paddle's own function).
+changed, where the replacement's CPU work is to adjust Paddle's own call: the overlapped
+linear without c_identity and unfused, the sequence-parallel all_gather on a dense copy).
 """
 import pytest
 
@@ -116,6 +117,8 @@ def fakes(fresh_plugin, monkeypatch):
                                       ["ctx", "dy"])):
         recorders[key] = Recorder(key, params)
         monkeypatch.setattr(cls, method, staticmethod(recorders[key].fn))
+    recorders["sp.all_gather"] = Recorder("sp.all_gather", ["input"])
+    monkeypatch.setattr(spu, "all_gather", recorders["sp.all_gather"].fn)
     state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     assert state.status == "active", state.reason
     try:
@@ -126,8 +129,19 @@ def fakes(fresh_plugin, monkeypatch):
 
 def _calls(tensor, group, ctx=None):
     """name -> a call of the installed replacement with ``tensor`` on ``group``."""
+    from paddle.distributed import fleet
+
     mp_ops, mp_layers, hpu, spu = _owners()
     ctx = ctx or Ctx(group)
+
+    def sp_all_gather():  # its group is fleet's model-parallel group
+        orig = fleet.get_hybrid_communicate_group
+        fleet.get_hybrid_communicate_group = lambda: FakeHcg(group)
+        try:
+            return spu.all_gather(tensor)
+        finally:
+            fleet.get_hybrid_communicate_group = orig
+
     label = paddle.zeros([2, 1], dtype="int64")
     return {
         "_c_identity": lambda: mp_ops._c_identity(tensor, group=group),
@@ -140,6 +154,7 @@ def _calls(tensor, group, ctx=None):
             ctx, tensor, None, None, False, True, False, False, group),
         "InnerOverlapLinear.backward": lambda: mp_layers.InnerOverlapLinear.backward(ctx, tensor),
         "SPInnerOverlapLinear.backward": lambda: spu.SPInnerOverlapLinear.backward(ctx, tensor),
+        "sp.all_gather": sp_all_gather,
     }
 
 
@@ -150,7 +165,7 @@ def _reached(recorder, call):
 
 
 def test_a_nccl_group_reaches_paddles_original(fakes):
-    tensor = paddle.ones([2, 4])
+    tensor = paddle.ones([4, 2]).transpose([1, 0])  # strided: sp.all_gather must not copy it here
     group = FakeGroup(ProcessGroupNCCL)
     calls = _calls(tensor, group)
     assert set(calls) == set(fakes)
@@ -163,6 +178,7 @@ def test_a_nccl_group_reaches_paddles_original(fakes):
     assert fakes["InnerOverlapLinear.forward"].calls[-1]["mp_skip_c_identity"] is False
     for name in ("InnerOverlapLinear.backward", "SPInnerOverlapLinear.backward"):
         assert fakes[name].calls[-1]["fused_flag"] is True, name
+    assert fakes["sp.all_gather"].calls[-1]["input"] is tensor
 
 
 def test_a_device_tensor_on_gloo_reaches_paddles_original(fakes):
@@ -180,6 +196,11 @@ def test_control_gloo_and_cpu_is_handled_here(fakes):
     tensor = paddle.ones([2, 4])
     group = FakeGroup(ProcessGroupGloo)
     calls = _calls(tensor, group)
+    strided = paddle.ones([4, 2]).transpose([1, 0])
+    assert _reached(fakes["sp.all_gather"], _calls(strided, group)["sp.all_gather"])
+    gathered = fakes["sp.all_gather"].calls[-1]["input"]
+    assert gathered is not strided and gathered.is_contiguous() and (gathered.numpy() == strided.numpy()).all()
+    assert not strided.is_contiguous(), "the caller's tensor was re-laid in place"
     for name in ("_c_identity", "_c_split"):
         out = calls[name]()
         assert out is not fakes[name].sentinel and not fakes[name].calls, name
