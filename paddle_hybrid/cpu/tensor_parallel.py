@@ -40,7 +40,7 @@ to Paddle's original unchanged.
 9. ``sequence_parallel_utils.all_gather`` (``ScatterOp`` backward, ``GatherOp``,
    ``AllGatherOp``, the sequence-parallel column linear): gloo refuses a strided input
    ("The tensor must be contiguous"), e.g. the scatter of a transposed activation fed
-   straight into a sequence-parallel linear.  Patch: on CPU a contiguous copy is gathered.
+   straight into a sequence-parallel linear.  Patch: on CPU a dense copy is gathered.
 
 ``_c_lookup_table`` (``c_embedding``) and the model-parallel RNG tracker already work on
 CPU and are not touched.  Every function is also reachable as
@@ -206,7 +206,10 @@ def _ours(group, tensor) -> bool:
     calls on gloo groups with tensors in host memory; anything else (static or PIR
     programs, NCCL/XCCL groups, device tensors on a build that has them) goes to Paddle."""
     import paddle
+    import paddle.distributed as dist
 
+    if group is None and not dist.is_initialized():  # no default group to ask about
+        return False
     return paddle.in_dynamic_mode() and is_gloo(group) and on_cpu(tensor)
 
 
@@ -386,8 +389,7 @@ def _make_broadcast_input_data(orig):
 # 7-8. the overlapped linears (mp_configs.mp_async_allreduce, sp_async_reduce_scatter)
 # ---------------------------------------------------------------------------
 
-# InnerOverlapLinear.forward's parameters after ctx (3.3.1); the flag at this index is the
-# one a CPU call turns on.
+# InnerOverlapLinear.forward's parameters in 3.3.1: the replacement passes them on by position.
 _OVERLAP_FORWARD_PARAMS = ["ctx", "x", "weight", "bias", "fuse_matmul_bias", "mp_async_allreduce",
                            "mp_skip_c_identity", "mp_fused_linear_param_grad_add", "model_parallel_group"]
 
