@@ -10,6 +10,8 @@ controls show the same calls on a gloo group with a CPU tensor do not reach it (
 changed, where the replacement's CPU work is to adjust Paddle's own call: the overlapped
 linear without c_identity and unfused, the sequence-parallel all_gather on a dense copy).
 """
+import inspect
+
 import pytest
 
 import paddle
@@ -57,14 +59,21 @@ class FakeHcg:
 
 
 class Recorder:
-    """A fake Paddle function: records each call, returns a sentinel."""
+    """A fake Paddle function: records each call's arguments by name, returns a sentinel."""
 
     def __init__(self, name, params):
         self.name, self.calls, self.sentinel = name, [], object()
-        # a real signature, so the component's parameter check accepts the fake
-        exec(f"def fake({', '.join(params)}):\n    return record(locals())",
-             {"record": self._record}, ns := {})
-        self.fn = ns["fake"]
+        kinds = {"*": inspect.Parameter.VAR_POSITIONAL, "**": inspect.Parameter.VAR_KEYWORD}
+        signature = inspect.Signature([
+            inspect.Parameter(p.lstrip("*"), kinds.get(p[:len(p) - len(p.lstrip("*"))],
+                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD))
+            for p in params])
+
+        def fake(*args, **kwargs):
+            return self._record(signature.bind(*args, **kwargs).arguments)
+
+        fake.__signature__ = signature  # what the component's parameter check reads
+        self.fn = fake
 
     def _record(self, arguments):
         call = dict(arguments)
