@@ -41,6 +41,9 @@ to Paddle's original unchanged.
    ``AllGatherOp``, the sequence-parallel column linear): gloo refuses a strided input
    ("The tensor must be contiguous"), e.g. the scatter of a transposed activation fed
    straight into a sequence-parallel linear.  Patch: on CPU a dense copy is gathered.
+   ``SPInnerOverlapLinear`` with ``mp_configs.recompute_allgather`` gathers its saved
+   input again in backward through ``dist.all_gather``: on CPU its forward works on a
+   dense copy of a strided input.
 
 ``_c_lookup_table`` (``c_embedding``) and the model-parallel RNG tracker already work on
 CPU and are not touched.  Every function is also reachable as
@@ -429,6 +432,27 @@ def _make_unfused_backward(orig):
     return _keeps_original(orig, backward)
 
 
+# SPInnerOverlapLinear.forward's parameters in 3.3.1.
+_SP_OVERLAP_FORWARD_PARAMS = ["ctx", "x", "weight", "bias", "fuse_matmul_bias", "recompute_allgather",
+                              "mp_fused_linear_param_grad_add", "model_parallel_group"]
+
+
+def _make_sp_overlap_forward(orig):
+    """``SPInnerOverlapLinear`` with ``recompute_allgather`` saves ``x`` and all-gathers it
+    again in backward with ``dist.all_gather``, which gloo refuses for a strided ``x``
+    (the scatter of a transposed activation).  A CPU/gloo call runs Paddle's forward on a
+    dense copy of such an ``x``: same values, and autograd still routes dx to the input."""
+
+    def forward(ctx, x, weight, bias, fuse_matmul_bias, recompute_allgather, mp_fused_linear_param_grad_add,
+                model_parallel_group):
+        if _ours(model_parallel_group, x) and not x.is_contiguous():
+            x = x.clone()
+        return orig(ctx, x, weight, bias, fuse_matmul_bias, recompute_allgather, mp_fused_linear_param_grad_add,
+                    model_parallel_group)
+
+    return _keeps_original(orig, forward)
+
+
 def _check_overlap_linears(patcher):
     """The two overlapped linear PyLayers, their signatures checked (before any change)."""
     from paddle.distributed.fleet.layers.mpu import mp_layers
@@ -437,6 +461,8 @@ def _check_overlap_linears(patcher):
     inner = patcher.require(mp_layers, "InnerOverlapLinear", "mp_layers")
     sp_inner = patcher.require(spu, "SPInnerOverlapLinear", "sequence_parallel_utils")
     patcher.check_params(inner.forward, _OVERLAP_FORWARD_PARAMS, "mp_layers.InnerOverlapLinear.forward")
+    patcher.check_params(sp_inner.forward, _SP_OVERLAP_FORWARD_PARAMS,
+                         "sequence_parallel_utils.SPInnerOverlapLinear.forward")
     for cls, where in ((inner, "mp_layers"), (sp_inner, "sequence_parallel_utils")):
         patcher.check_params(cls.backward, ["ctx", "dy"], f"{where}.{cls.__name__}.backward")
     return inner, sp_inner
@@ -446,6 +472,7 @@ def _patch_overlap_linears(patcher, inner, sp_inner) -> None:
     # PyLayer looks forward and backward up on the class at each call; there they are
     # staticmethods, so the replacements are too.
     patcher.set(inner, "forward", staticmethod(_make_overlap_forward(inner.forward)))
+    patcher.set(sp_inner, "forward", staticmethod(_make_sp_overlap_forward(sp_inner.forward)))
     for cls in (inner, sp_inner):
         patcher.set(cls, "backward", staticmethod(_make_unfused_backward(cls.backward)))
 

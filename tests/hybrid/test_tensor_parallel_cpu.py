@@ -123,6 +123,14 @@ def test_fused_linear_param_grad_add_trains_as_unfused(case):
         assert all(r["main_grads"] > 0 for r in fused)
 
 
+def test_sequence_parallel_recompute_allgather_of_a_strided_scatter():
+    """mp_configs.recompute_allgather: SPInnerOverlapLinear all-gathers its saved input
+    again in backward, here the strided scatter of a transposed activation (ScatterMLP)."""
+    res = _train(2, mp=2, sp=2, mp_configs=_SP_ASYNC + ",recompute_allgather")
+    assert all(r["mp_configs"]["recompute_allgather"] for r in res)
+    _check(res)
+
+
 @pytest.fixture(scope="module")
 def tp2_x_dp2_scatter_mlp():
     """TP2 x DP2 with sequence parallel over a strided scatter (tp_models ``ScatterMLP``)."""

@@ -95,6 +95,10 @@ OVERLAP_FORWARD = ["ctx", "x", "weight", "bias", "fuse_matmul_bias", "mp_async_a
                    "mp_fused_linear_param_grad_add", "model_parallel_group"]
 
 
+SP_OVERLAP_FORWARD = ["ctx", "x", "weight", "bias", "fuse_matmul_bias", "recompute_allgather",
+                      "mp_fused_linear_param_grad_add", "model_parallel_group"]
+
+
 class Ctx:
     def __init__(self, group):
         self.model_parallel_group, self.mp_fused_linear_param_grad_add = group, True
@@ -122,6 +126,8 @@ def fakes(fresh_plugin, monkeypatch):
                                       OVERLAP_FORWARD),
                                      ("InnerOverlapLinear.backward", mp_layers.InnerOverlapLinear, "backward",
                                       ["ctx", "dy"]),
+                                     ("SPInnerOverlapLinear.forward", spu.SPInnerOverlapLinear, "forward",
+                                      SP_OVERLAP_FORWARD),
                                      ("SPInnerOverlapLinear.backward", spu.SPInnerOverlapLinear, "backward",
                                       ["ctx", "dy"])):
         recorders[key] = Recorder(key, params)
@@ -162,6 +168,8 @@ def _calls(tensor, group, ctx=None):
         "InnerOverlapLinear.forward": lambda: mp_layers.InnerOverlapLinear.forward(
             ctx, tensor, None, None, False, True, False, False, group),
         "InnerOverlapLinear.backward": lambda: mp_layers.InnerOverlapLinear.backward(ctx, tensor),
+        "SPInnerOverlapLinear.forward": lambda: spu.SPInnerOverlapLinear.forward(
+            ctx, tensor, None, None, False, True, False, group),
         "SPInnerOverlapLinear.backward": lambda: spu.SPInnerOverlapLinear.backward(ctx, tensor),
         "sp.all_gather": sp_all_gather,
     }
@@ -187,7 +195,9 @@ def test_a_nccl_group_reaches_paddles_original(fakes):
     assert fakes["InnerOverlapLinear.forward"].calls[-1]["mp_skip_c_identity"] is False
     for name in ("InnerOverlapLinear.backward", "SPInnerOverlapLinear.backward"):
         assert fakes[name].calls[-1]["fused_flag"] is True, name
-    assert fakes["sp.all_gather"].calls[-1]["input"] is tensor
+    for name in ("sp.all_gather", "SPInnerOverlapLinear.forward"):
+        args = fakes[name].calls[-1]
+        assert args.get("input", args.get("x")) is tensor, f"{name} did not pass the strided tensor on as it was"
 
 
 def test_a_device_tensor_on_gloo_reaches_paddles_original(fakes):
@@ -206,10 +216,11 @@ def test_control_gloo_and_cpu_is_handled_here(fakes):
     group = FakeGroup(ProcessGroupGloo)
     calls = _calls(tensor, group)
     strided = paddle.ones([4, 2]).transpose([1, 0])
-    assert _reached(fakes["sp.all_gather"], _calls(strided, group)["sp.all_gather"])
-    gathered = fakes["sp.all_gather"].calls[-1]["input"]
-    assert gathered is not strided and gathered.is_contiguous() and (gathered.numpy() == strided.numpy()).all()
-    assert not strided.is_contiguous(), "the caller's tensor was re-laid in place"
+    for name, arg in (("sp.all_gather", "input"), ("SPInnerOverlapLinear.forward", "x")):
+        assert _reached(fakes[name], _calls(strided, group)[name]), name
+        dense = fakes[name].calls[-1][arg]
+        assert dense is not strided and dense.is_contiguous() and (dense.numpy() == strided.numpy()).all(), name
+        assert not strided.is_contiguous(), f"{name} re-laid the caller's tensor in place"
     for name in ("_c_identity", "_c_split"):
         out = calls[name]()
         assert out is not fakes[name].sentinel and not fakes[name].calls, name
