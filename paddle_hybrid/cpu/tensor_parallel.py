@@ -1,16 +1,20 @@
 """Tensor parallel (``mp_degree > 1``) on gloo.
 
-Stock Paddle 3.3.1 stops a CPU tensor-parallel run in these places; each is replaced,
-in dygraph only (static and PIR programs keep Paddle's ops), by autograd functions over
-the gloo collectives ``all_reduce`` and ``all_gather``:
+Stock Paddle 3.3.1 stops a CPU tensor-parallel run in these places; each is replaced by
+autograd functions over the gloo collectives ``all_reduce`` and ``all_gather``, or by
+Paddle's own code with the CPU-less kernel left out.  The device rule is asked per call:
+a replacement does its work only for a dygraph call on a gloo group with tensors in host
+memory, and hands anything else (static or PIR programs, NCCL/XCCL groups, device tensors)
+to Paddle's original unchanged.
 
 1. ``TensorParallel._pre_forward`` -> ``broadcast_input_data`` asserts "Only support xpu,
    gpu and custom_device now, but this is cpu".  Patch: on CPU the inputs are broadcast
    from the model-parallel source rank in place (nested lists/tuples/dicts as Paddle
-   walks them); other devices keep Paddle's function.
+   walks them) when the group is gloo and every tensor is on CPU.
 2. ``_c_identity`` (the entry of ``ColumnParallelLinear``): the CPU kernel raises "Do not
-   support c_identity for cpu kernel now".  Patch: identity forward, all_reduce(sum)
-   of the gradient over the mp group.
+   support c_identity for cpu kernel now".  Patch: identity forward (a copy, or with
+   ``skip_c_identity_dynamic`` a view), all_reduce(sum) of the gradient over the mp group
+   in both cases.
 3. ``_mp_allreduce`` (``RowParallelLinear``, ``VocabParallelEmbedding``): its backward
    calls the same ``c_identity`` kernel.  Patch: all_reduce(sum) forward, identity
    backward.
@@ -25,6 +29,21 @@ the gloo collectives ``all_reduce`` and ``all_gather``:
    cross entropy (global max and sum by all_reduce, the label's logit from the rank that
    holds it), backward ``softmax - one_hot`` on the local vocab slice, ``ignore_index``
    rows zero in both.
+7. ``InnerOverlapLinear`` (``ColumnParallelLinear`` with ``mp_configs.mp_async_allreduce``)
+   calls the ``c_identity`` kernel in its forward unless ``mp_skip_c_identity``.  Patch:
+   on CPU its forward runs with that copy skipped (same values; its backward all-reduces
+   dx itself).
+8. ``mp_configs.mp_fused_linear_param_grad_add`` (with ``mp_async_allreduce``): the
+   backward of ``InnerOverlapLinear`` and of ``SPInnerOverlapLinear`` (sequence parallel
+   with ``sp_async_reduce_scatter``) raises NotImplementedError without the fused GPU
+   kernel.  Patch: on CPU Paddle's unfused branch of the same backward.
+9. ``sequence_parallel_utils.all_gather`` (``ScatterOp`` backward, ``GatherOp``,
+   ``AllGatherOp``, the sequence-parallel column linear): gloo refuses a strided input
+   ("The tensor must be contiguous"), e.g. the scatter of a transposed activation fed
+   straight into a sequence-parallel linear.  Patch: on CPU a dense copy is gathered.
+   ``SPInnerOverlapLinear`` with ``mp_configs.recompute_allgather`` gathers its saved
+   input again in backward through ``dist.all_gather``: on CPU its forward works on a
+   dense copy of a strided input.
 
 ``_c_lookup_table`` (``c_embedding``) and the model-parallel RNG tracker already work on
 CPU and are not touched.  Every function is also reachable as
@@ -33,6 +52,8 @@ CPU and are not touched.  Every function is also reachable as
 from __future__ import annotations
 
 import functools
+
+from ..device import is_gloo, on_cpu
 
 __all__ = ["apply", "PATCHED_MP_OPS"]
 
@@ -88,9 +109,12 @@ def _py_layers():
 
     class IdentityForwardSumBackward(PyLayer):
         @staticmethod
-        def forward(ctx, x, group):
+        def forward(ctx, x, group, copy=True):
             ctx.group = group
-            return x.clone()
+            # Without the copy, a view of the same memory: returning ``x`` itself (or
+            # ``detach``/``reshape`` of it) makes the output an in-place result, which Paddle
+            # refuses for a leaf that needs a gradient; ``view`` does not.
+            return x.clone() if copy else x.view(x.shape)
 
         @staticmethod
         def backward(ctx, dy):
@@ -177,25 +201,26 @@ def _layers():
 
 
 # ---------------------------------------------------------------------------
-# replacements (dygraph: ours; static/PIR: Paddle's)
+# replacements: ours for a dygraph call on a gloo group with a CPU tensor, else Paddle's
 # ---------------------------------------------------------------------------
 
-def _dygraph_only(orig):
-    """Wrap a replacement so static and PIR programs keep Paddle's original."""
+def _ours(group, tensor) -> bool:
+    """The device rule, asked per call: the emulations were written and tested for dygraph
+    calls on gloo groups with tensors in host memory; anything else (static or PIR
+    programs, NCCL/XCCL groups, device tensors on a build that has them) goes to Paddle."""
+    import paddle
+    import paddle.distributed as dist
 
-    def decorate(replacement):
-        @functools.wraps(orig)
-        def wrapper(*args, **kwargs):
-            import paddle
+    if group is None and not dist.is_initialized():  # no default group to ask about
+        return False
+    return paddle.in_dynamic_mode() and is_gloo(group) and on_cpu(tensor)
 
-            if not paddle.in_dynamic_mode():
-                return orig(*args, **kwargs)
-            return replacement(*args, **kwargs)
 
-        wrapper.__wrapped_original__ = orig
-        return wrapper
-
-    return decorate
+def _keeps_original(orig, replacement):
+    """``replacement`` wrapped to look like ``orig``, which it remembers for :func:`apply`."""
+    wrapper = functools.wraps(orig)(replacement)
+    wrapper.__wrapped_original__ = orig
+    return wrapper
 
 
 def _not_member(group):
@@ -203,32 +228,38 @@ def _not_member(group):
 
 
 def _make_c_identity(orig):
-    @_dygraph_only(orig)
     def _c_identity(tensor, group=None, skip_c_identity_dynamic=False):
+        if not _ours(group, tensor):
+            return orig(tensor, group=group, skip_c_identity_dynamic=skip_c_identity_dynamic)
         if _not_member(group):
             return None
-        if skip_c_identity_dynamic:  # the user asked for no op at all (mp_skip_c_identity)
-            return tensor
         group, _, _ = _resolve(group)
-        return _layers()["identity_sum"].apply(tensor, group)
+        # skip_c_identity_dynamic (mp_skip_c_identity) skips the forward copy only: the
+        # backward still sums the gradient over the group, as Paddle's c_identity_eager does.
+        return _layers()["identity_sum"].apply(tensor, group, not skip_c_identity_dynamic)
 
-    return _c_identity
+    return _keeps_original(orig, _c_identity)
 
 
 def _make_mp_allreduce(orig):
-    @_dygraph_only(orig)
     def _mp_allreduce(tensor, op=None, group=None, use_calc_stream=True, use_model_parallel=True,
                       skip_c_identity_dynamic=False):
         from paddle.distributed import ReduceOp
 
+        if not _ours(group, tensor):
+            return orig(tensor, op=ReduceOp.SUM if op is None else op, group=group,
+                        use_calc_stream=use_calc_stream, use_model_parallel=use_model_parallel,
+                        skip_c_identity_dynamic=skip_c_identity_dynamic)
         if _not_member(group):
             return None
         if op is not None and op != ReduceOp.SUM:
             raise ValueError(f"paddle_hybrid.cpu: _mp_allreduce supports ReduceOp.SUM only, got {op}.")
         group, _, _ = _resolve(group)
+        # The backward is the identity with or without skip_c_identity_dynamic (Paddle's
+        # c_identity kernel on dy is a copy), so the flag changes nothing here.
         return _layers()["sum_identity"].apply(tensor, group)
 
-    return _mp_allreduce
+    return _keeps_original(orig, _mp_allreduce)
 
 
 def _make_last_dim(layer_key):
@@ -236,14 +267,15 @@ def _make_last_dim(layer_key):
     the autograd function named by ``layer_key`` ("split" or "gather")."""
 
     def make(orig):
-        @_dygraph_only(orig)
         def last_dim_op(tensor, group=None):
+            if not _ours(group, tensor):
+                return orig(tensor, group=group)
             if _not_member(group):
                 return None
             group, rank, nranks = _resolve(group)
             return _layers()[layer_key].apply(tensor, group, rank, nranks)
 
-        return last_dim_op
+        return _keeps_original(orig, last_dim_op)
 
     return make
 
@@ -253,10 +285,11 @@ _make_c_concat = _make_last_dim("gather")
 
 
 def _make_cross_entropy(orig):
-    @_dygraph_only(orig)
     def _c_softmax_with_cross_entropy(logits, label, group=None, return_softmax=False, ignore_index=-100):
         import paddle
 
+        if not _ours(group, logits):
+            return orig(logits, label, group=group, return_softmax=return_softmax, ignore_index=ignore_index)
         if _not_member(group):
             return None
         group, rank, nranks = _resolve(group)
@@ -270,7 +303,7 @@ def _make_cross_entropy(orig):
         loss, softmax = _layers()["cross_entropy"].apply(logits, label, group, rank, ignore_index)
         return (loss, softmax) if return_softmax else loss
 
-    return _c_softmax_with_cross_entropy
+    return _keeps_original(orig, _c_softmax_with_cross_entropy)
 
 
 # ---------------------------------------------------------------------------
@@ -317,20 +350,153 @@ def _broadcast_nested_(data, group, src):
         dist.broadcast_object_list([data], src=src, group=group)
 
 
-def _make_broadcast_input_data(orig):
-    @functools.wraps(orig)
-    def broadcast_input_data(hcg, *inputs, **kwargs):
-        import paddle
+def _tensors(data):
+    """Every tensor in ``data``, walked as :func:`_broadcast_nested_` walks it."""
+    import paddle
 
-        if paddle.get_device().split(":")[0] != "cpu":
-            return orig(hcg, *inputs, **kwargs)
+    if isinstance(data, paddle.Tensor):
+        yield data
+    elif isinstance(data, dict):
+        for value in data.values():
+            yield from _tensors(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _tensors(value)
+
+
+def _inputs_ours(group, inputs, kwargs) -> bool:
+    """The device rule for the input broadcast: a gloo group and every tensor on CPU (no
+    tensor at all: new tensors are placed on CPU)."""
+    from ..device import running_on_cpu
+
+    if not is_gloo(group):
+        return False
+    tensors = list(_tensors((inputs, kwargs)))
+    return all(on_cpu(t) for t in tensors) if tensors else running_on_cpu()
+
+
+def _make_broadcast_input_data(orig):
+    def broadcast_input_data(hcg, *inputs, **kwargs):
         group = hcg.get_model_parallel_group()
+        if not _inputs_ours(group, inputs, kwargs):
+            return orig(hcg, *inputs, **kwargs)
         src = hcg.get_model_parallel_group_src_rank()
         _broadcast_nested_(inputs, group, src)
         _broadcast_nested_(kwargs, group, src)
         return inputs, kwargs
 
-    return broadcast_input_data
+    return _keeps_original(orig, broadcast_input_data)
+
+
+# ---------------------------------------------------------------------------
+# 7-8. the overlapped linears (mp_configs.mp_async_allreduce, sp_async_reduce_scatter)
+# ---------------------------------------------------------------------------
+
+# InnerOverlapLinear.forward's parameters in 3.3.1: the replacement passes them on by position.
+_OVERLAP_FORWARD_PARAMS = ["ctx", "x", "weight", "bias", "fuse_matmul_bias", "mp_async_allreduce",
+                           "mp_skip_c_identity", "mp_fused_linear_param_grad_add", "model_parallel_group"]
+
+
+def _make_overlap_forward(orig):
+    """``InnerOverlapLinear.forward`` calls the ``c_identity`` kernel on ``x`` unless
+    ``mp_skip_c_identity``; on CPU that kernel raises.  Inside a PyLayer forward the kernel
+    is only a copy (nothing records it for autograd: this layer's own backward all-reduces
+    dx), so a CPU/gloo call runs Paddle's forward with the copy skipped: same values."""
+
+    def forward(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
+                mp_fused_linear_param_grad_add, model_parallel_group):
+        if _ours(model_parallel_group, x):
+            mp_skip_c_identity = True
+        return orig(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
+                    mp_fused_linear_param_grad_add, model_parallel_group)
+
+    return _keeps_original(orig, forward)
+
+
+def _make_unfused_backward(orig):
+    """The backward of ``InnerOverlapLinear`` / ``SPInnerOverlapLinear``: with
+    ``mp_fused_linear_param_grad_add`` it needs the fused GPU kernel of that name and raises
+    NotImplementedError on CPU.  A CPU/gloo call runs Paddle's own unfused branch instead
+    (``dw = x^T dy``, ``dbias = sum(dy)`` returned to autograd, which adds them to ``.grad``,
+    or MixPrecisionLayer's hook to ``main_grad``): the same sums the fused kernel forms in place."""
+
+    def backward(ctx, dy):
+        if not (ctx.mp_fused_linear_param_grad_add and _ours(ctx.model_parallel_group, dy)):
+            return orig(ctx, dy)
+        ctx.mp_fused_linear_param_grad_add = False
+        try:
+            return orig(ctx, dy)
+        finally:
+            ctx.mp_fused_linear_param_grad_add = True
+
+    return _keeps_original(orig, backward)
+
+
+# SPInnerOverlapLinear.forward's parameters in 3.3.1.
+_SP_OVERLAP_FORWARD_PARAMS = ["ctx", "x", "weight", "bias", "fuse_matmul_bias", "recompute_allgather",
+                              "mp_fused_linear_param_grad_add", "model_parallel_group"]
+
+
+def _make_sp_overlap_forward(orig):
+    """``SPInnerOverlapLinear`` with ``recompute_allgather`` saves ``x`` and all-gathers it
+    again in backward with ``dist.all_gather``, which gloo refuses for a strided ``x``
+    (the scatter of a transposed activation).  A CPU/gloo call runs Paddle's forward on a
+    dense copy of such an ``x``: same values, and autograd still routes dx to the input."""
+
+    def forward(ctx, x, weight, bias, fuse_matmul_bias, recompute_allgather, mp_fused_linear_param_grad_add,
+                model_parallel_group):
+        if _ours(model_parallel_group, x) and not x.is_contiguous():
+            x = x.clone()
+        return orig(ctx, x, weight, bias, fuse_matmul_bias, recompute_allgather, mp_fused_linear_param_grad_add,
+                    model_parallel_group)
+
+    return _keeps_original(orig, forward)
+
+
+def _check_overlap_linears(patcher):
+    """The two overlapped linear PyLayers, their signatures checked (before any change)."""
+    from paddle.distributed.fleet.layers.mpu import mp_layers
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
+
+    inner = patcher.require(mp_layers, "InnerOverlapLinear", "mp_layers")
+    sp_inner = patcher.require(spu, "SPInnerOverlapLinear", "sequence_parallel_utils")
+    patcher.check_params(inner.forward, _OVERLAP_FORWARD_PARAMS, "mp_layers.InnerOverlapLinear.forward")
+    patcher.check_params(sp_inner.forward, _SP_OVERLAP_FORWARD_PARAMS,
+                         "sequence_parallel_utils.SPInnerOverlapLinear.forward")
+    for cls, where in ((inner, "mp_layers"), (sp_inner, "sequence_parallel_utils")):
+        patcher.check_params(cls.backward, ["ctx", "dy"], f"{where}.{cls.__name__}.backward")
+    return inner, sp_inner
+
+
+def _patch_overlap_linears(patcher, inner, sp_inner) -> None:
+    # PyLayer looks forward and backward up on the class at each call; there they are
+    # staticmethods, so the replacements are too.
+    patcher.set(inner, "forward", staticmethod(_make_overlap_forward(inner.forward)))
+    patcher.set(sp_inner, "forward", staticmethod(_make_sp_overlap_forward(sp_inner.forward)))
+    for cls in (inner, sp_inner):
+        patcher.set(cls, "backward", staticmethod(_make_unfused_backward(cls.backward)))
+
+
+# ---------------------------------------------------------------------------
+# 9. sequence parallel all_gather of a strided tensor
+# ---------------------------------------------------------------------------
+
+def _make_sp_all_gather(orig):
+    """``sequence_parallel_utils.all_gather`` hands its input straight to the process group,
+    and gloo refuses a strided view ("The tensor must be contiguous"): ``ScatterOp`` of a
+    transposed ``[b, s, h]`` activation is one, and so is what a sequence-parallel linear
+    gathers when it follows the scatter directly.  A CPU/gloo call gathers a dense copy."""
+
+    def all_gather(input):  # noqa: A002  (Paddle's parameter name)
+        from paddle.distributed import fleet
+
+        group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
+        if _ours(group, input) and not input.is_contiguous():
+            # a dense copy; ``Tensor.contiguous()`` would re-lay the caller's tensor in place
+            input = input.clone()
+        return orig(input)
+
+    return _keeps_original(orig, all_gather)
 
 
 # ---------------------------------------------------------------------------
@@ -353,12 +519,16 @@ def apply(patcher) -> None:
     from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel import tensor_parallel
     from paddle.distributed.fleet.utils import hybrid_parallel_util
+    from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
     for name, (params, _) in PATCHED_MP_OPS.items():
         patcher.check_params(patcher.require(mp_ops, name, "mp_ops"), params, f"mp_ops.{name}")
     bcast = patcher.require(hybrid_parallel_util, "broadcast_input_data", "hybrid_parallel_util")
     patcher.check_params(bcast, ["hcg", "inputs", "kwargs"], "hybrid_parallel_util.broadcast_input_data")
     patcher.require(tensor_parallel, "broadcast_input_data", "meta_parallel.tensor_parallel")
+    overlap_linears = _check_overlap_linears(patcher)
+    sp_all_gather = patcher.require(spu, "all_gather", "sequence_parallel_utils")
+    patcher.check_params(sp_all_gather, ["input"], "sequence_parallel_utils.all_gather")
 
     for name, (_, maker) in PATCHED_MP_OPS.items():
         replacement = maker(getattr(mp_ops, name))
@@ -368,3 +538,7 @@ def apply(patcher) -> None:
     new_bcast = _make_broadcast_input_data(bcast)
     patcher.set(hybrid_parallel_util, "broadcast_input_data", new_bcast)
     patcher.set(tensor_parallel, "broadcast_input_data", new_bcast)
+    _patch_overlap_linears(patcher, *overlap_linears)
+    # ScatterOp, GatherOp, AllGatherOp, ReduceScatterOp and SPInnerOverlapLinear look the
+    # module's all_gather up at each call.
+    patcher.set(spu, "all_gather", _make_sp_all_gather(sp_all_gather))

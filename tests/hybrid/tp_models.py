@@ -15,6 +15,9 @@ Blocks (``[b, s]`` token ids in, vocab-split logits out):
 - ``SeqParallelMLP`` (``sp=1``): ``[b, s, h]`` -> ``[s, b, h]`` -> ``ScatterOp`` -> LayerNorm
   (sequence-parallel parameters) -> ``ColumnSequenceParallelLinear`` -> tanh ->
   ``RowSequenceParallelLinear`` -> ``GatherOp`` -> back to ``[b, s, h]``, residual
+- ``ScatterMLP`` (``sp=2``): as ``SeqParallelMLP`` without the LayerNorm, so the
+  sequence-parallel column linear all-gathers the scatter of a transposed activation
+  itself, a strided tensor (Paddle's own sequence-parallel test model does this)
 - ``Head``: ``ColumnParallelLinear(gather_output=False)``; loss ``ParallelCrossEntropy``
   (mean over tokens).
 """
@@ -33,7 +36,7 @@ def full_weights(kind, index, seed):
 
     if kind == "Embed":
         return {"emb": draw("emb", (VOCAB, HIDDEN), 1.0)}
-    if kind in ("MLP", "GatherMLP", "SeqParallelMLP"):
+    if kind in ("MLP", "GatherMLP", "SeqParallelMLP", "ScatterMLP"):
         w = {"w1": draw("w1", (HIDDEN, FFN), HIDDEN ** -0.5), "b1": draw("b1", (FFN,), 0.1),
              "w2": draw("w2", (FFN, HIDDEN), FFN ** -0.5), "b2": draw("b2", (HIDDEN,), 0.1)}
         if kind == "SeqParallelMLP":
@@ -46,9 +49,11 @@ def full_weights(kind, index, seed):
 
 
 def block_kinds(num_mlp, sp):
+    """sp: 0 none, 1 ``SeqParallelMLP``, 2 ``ScatterMLP`` blocks (every other MLP)."""
     kinds = ["Embed"]
+    first = {0: "MLP", 1: "SeqParallelMLP", 2: "ScatterMLP"}[sp]
     for i in range(num_mlp):
-        kinds.append(("SeqParallelMLP" if sp else "MLP") if i % 2 == 0 else "GatherMLP")
+        kinds.append(first if i % 2 == 0 else "GatherMLP")
     return kinds + ["Head"]
 
 
@@ -150,6 +155,24 @@ def make_block_classes():
             full = spu.GatherOp.apply(y)
             return x + paddle.transpose(full, [1, 0, 2])
 
+    class ScatterMLP(Block):
+        kind = "ScatterMLP"
+
+        def __init__(self, index, seed):
+            super().__init__(index, seed)
+            self.fc1 = spu.ColumnSequenceParallelLinear(HIDDEN, FFN, gather_output=False, has_bias=True)
+            self.fc2 = spu.RowSequenceParallelLinear(FFN, HIDDEN, input_is_parallel=True, has_bias=True)
+            self.load()
+
+        def params_by_name(self):
+            return {"w1": (self.fc1.weight, "cols"), "b1": (self.fc1.bias, "cols"),
+                    "w2": (self.fc2.weight, "rows"), "b2": (self.fc2.bias, "full")}
+
+        def forward(self, x):
+            local = spu.ScatterOp.apply(paddle.transpose(x, [1, 0, 2]))  # a strided view
+            full = spu.GatherOp.apply(self.fc2(paddle.tanh(self.fc1(local))))
+            return x + paddle.transpose(full, [1, 0, 2])
+
     class Head(Block):
         kind = "Head"
 
@@ -173,6 +196,7 @@ def make_block_classes():
             return self.ce(logits, labels).mean()
 
     return {"Embed": Embed, "MLP": MLP, "GatherMLP": GatherMLP, "SeqParallelMLP": SeqParallelMLP,
+            "ScatterMLP": ScatterMLP,
             "Head": Head, "ParallelLoss": ParallelLoss, "Block": Block}
 
 
@@ -207,7 +231,7 @@ def reference_forward(kinds, params, ids):
     for kind, p in zip(kinds, params):
         if kind == "Embed":
             x = F.embedding(ids, p["emb"])
-        elif kind in ("MLP", "GatherMLP"):
+        elif kind in ("MLP", "GatherMLP", "ScatterMLP"):
             x = x + paddle.matmul(paddle.tanh(paddle.matmul(x, p["w1"]) + p["b1"]), p["w2"]) + p["b2"]
         elif kind == "SeqParallelMLP":
             h = F.layer_norm(x, [HIDDEN], weight=p["ln_w"], bias=p["ln_b"])

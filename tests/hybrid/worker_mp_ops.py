@@ -1,5 +1,6 @@
-"""Worker: every tensor-parallel op the CPU support replaces, forward and backward on 2
-gloo ranks, next to the same computation done by this process alone on full tensors.
+"""Worker: every tensor-parallel op the CPU support replaces, forward and backward on the
+gloo ranks of one model-parallel group (all the processes launched: 2 or 4), next to the
+same computation done by this process alone on full tensors.
 
 Saves ``{op name: {"got": {...}, "want": {...}}}`` per rank; the test compares them.
 """
@@ -27,12 +28,14 @@ def rng(*key):
     return np.random.default_rng((123,) + key)
 
 
-def check_identity(group, rank, n):
-    # forward: a copy; backward: the sum over ranks of every rank's output gradient
+def check_identity(group, rank, n, skip_forward=False):
+    # forward: a copy; backward: the sum over ranks of every rank's output gradient.
+    # skip_c_identity_dynamic (mp_skip_c_identity) skips only the forward kernel: the
+    # backward must still sum, as Paddle's c_identity_eager does.
     x = rng(1).standard_normal((3, 4)).astype("float32")
     coef = [rng(2, r).standard_normal((3, 4)).astype("float32") for r in range(n)]
     xt = leaf(x)
-    y = mp_ops._c_identity(xt, group=group)
+    y = mp_ops._c_identity(xt, group=group, skip_c_identity_dynamic=skip_forward)
     (y * paddle.to_tensor(coef[rank])).sum().backward()
     return {"got": {"y": y.numpy(), "dx": xt.grad.numpy()}, "want": {"y": x, "dx": sum(coef)}}
 
@@ -123,6 +126,7 @@ def main():
     group, rank = hcg.get_model_parallel_group(), hcg.get_model_parallel_rank()
     out = {
         "_c_identity": check_identity(group, rank, n),
+        "_c_identity[skip_c_identity_dynamic]": check_identity(group, rank, n, skip_forward=True),
         "_mp_allreduce": check_mp_allreduce(group, rank, n),
         "_c_split": check_split(group, rank, n),
         "_c_concat": check_concat(group, rank, n),
