@@ -341,8 +341,9 @@ def main(argv=None) -> dict:
     # the Trainer's defaults: AdamW, no weight decay, global-norm clipping at 1.0
     opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.0,
                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-    model = fleet.distributed_model(model)
-    opt = fleet.distributed_optimizer(opt)
+    if world > 1:  # as the Trainer: one process trains the bare model (fleet would want a PipelineLayer)
+        model = fleet.distributed_model(model)
+        opt = fleet.distributed_optimizer(opt)
 
     replicas = args.dp * args.sharding
     replica = hcg.get_data_parallel_rank() * args.sharding + hcg.get_sharding_parallel_rank()
