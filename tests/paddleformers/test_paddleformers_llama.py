@@ -1,0 +1,147 @@
+"""examples/paddleformers_llama.py: PaddleFormers' own LLaMA (LlamaForCausalLMPipe /
+LlamaForCausalLM) under fleet hybrid parallel on CPU, compared on every rank with one
+process.  Without PaddleFormers 1.2.0 these tests fail with the install line (conftest)."""
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from paddle_hybrid.testing import launch
+
+PADDLEFORMERS_VERSION = "1.2.0"  # the pin: CI installs exactly this
+INSTALL = (f"pip install --no-deps paddleformers=={PADDLEFORMERS_VERSION} and its import-time dependencies "
+           "(README, 'PaddleFormers on CPU', lists the pinned set; a plain `pip install "
+           f"paddleformers=={PADDLEFORMERS_VERSION}` works too but downgrades numpy to 1.26.4)")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "examples", "paddleformers_llama.py")
+# tiny: 2 layers, hidden 32, 4 heads, vocab 64, 16 tokens; 2 microbatches of 2 sequences
+SHORT = ["--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq-len", "16",
+         "--micro-batch-size", "2", "--steps", "4"]
+LOSS_RTOL = 1e-5  # summation order (TP partial sums, pipeline clipping norm); seen <= 1.2e-7
+# Final weights: AdamW turns summation-order differences of near-zero gradients into
+# update differences up to ~lr x 1e-3, so an absolute bound (weights are ~0.1); seen <= 5.3e-6
+PARAM_ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("paddleformers_llama_example", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def require_paddleformers() -> str:
+    """The installed PaddleFormers version, or a test failure naming the install command
+    (a dependency CI installs: missing is an error, not a skip)."""
+    try:
+        version = importlib.metadata.version("paddleformers")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"tests/paddleformers need PaddleFormers {PADDLEFORMERS_VERSION}, which is not installed: "
+                    f"{INSTALL}.", pytrace=False)
+    if version != PADDLEFORMERS_VERSION:
+        pytest.fail(f"tests/paddleformers are verified with PaddleFormers {PADDLEFORMERS_VERSION}, found {version}: "
+                    f"{INSTALL}; or verify the new version and move PADDLEFORMERS_VERSION here.", pytrace=False)
+    return version
+
+
+@pytest.fixture(scope="module")
+def paddleformers_version():
+    return require_paddleformers()
+
+
+# --------------------------------------------------------------------------- no processes
+
+
+def test_missing_paddleformers_fails_with_install_line(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(pytest.fail.Exception, match=f"pip install --no-deps paddleformers=={PADDLEFORMERS_VERSION}"):
+        require_paddleformers()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
+    with pytest.raises(pytest.fail.Exception, match="found 9.9.9"):
+        require_paddleformers()
+
+
+def test_example_names_the_install_when_the_import_fails(example, monkeypatch):
+    monkeypatch.setitem(sys.modules, "paddleformers.transformers", None)  # makes the import raise
+    with pytest.raises(ImportError, match="pip install paddleformers=="):
+        example.import_paddleformers()
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--pp", "2", "--mp", "2"], 2, "--pp x --mp x --dp x --sharding = 4 but 2 processes"),
+    (["--pp", "1", "--sharding", "2"], 4, "--nproc_per_node 2"),
+    (["--pp", "1", "--mp", "1", "--sequence-parallel"], 1, "needs --mp > 1"),
+    (["--pp", "1", "--mp", "2", "--sequence-parallel", "--seq-len", "15"], 2, "--seq-len \\(15\\) must be a multiple"),
+    (["--pp", "1", "--mp", "2", "--heads", "3", "--hidden", "24"], 2, "--heads \\(3\\) must be a multiple of --mp"),
+    (["--pp", "1", "--mp", "2", "--vocab", "63"], 2, "--vocab \\(63\\)"),
+    (["--pp", "4", "--layers", "2"], 4, "--layers \\(2\\) must be >= --pp"),
+    (["--pp", "1", "--heads", "4", "--kv-heads", "3"], 1, "--kv-heads"),
+])
+def test_inconsistent_flags_are_refused(example, argv, world, message):
+    with pytest.raises(example.ArgError, match=message):
+        example.validate(example.build_parser().parse_args(argv), world)
+
+
+def test_strategy_is_the_trainers(example):
+    args = example.validate(example.build_parser().parse_args(
+        ["--pp", "2", "--mp", "2", "--sharding", "2", "--sequence-parallel", "--accumulate-steps", "4"]), 8)
+    strategy = example.make_strategy(args)
+    hybrid = strategy.hybrid_configs
+    assert (hybrid["dp_degree"], hybrid["mp_degree"], hybrid["pp_degree"], hybrid["sharding_degree"]) == (1, 2, 2, 2)
+    assert list(hybrid["order"]) == ["dp", "sharding", "pp", "sep", "mp"]  # the Trainer's "sharding_first"
+    assert hybrid["pp_configs"].delay_scale_loss and hybrid["pp_configs"].use_batch_p2p_comm
+    assert not hybrid["sharding_configs"].split_param
+    assert strategy.pipeline_configs["accumulate_steps"] == 4
+    assert not strategy.pipeline_configs["enable_partial_send_recv"]  # off with sequence parallel
+    assert strategy.tensor_parallel_configs["tensor_init_seed"] == args.seed
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _run(nprocs, *flags):
+    return launch(SCRIPT, nprocs=nprocs, args=SHORT + list(flags), timeout=240)
+
+
+def assert_like_one_process(results, one, flags):
+    """Every rank's losses and parameters equal the one-process run's (its slice of each
+    tensor-parallel parameter), and together the ranks hold every parameter."""
+    ref_losses, ref_params = np.array(one["losses"]), one["params"]
+    mp = max(r["mp_rank"] for r in results) + 1
+    held = set()
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref_losses, rtol=LOSS_RTOL, err_msg=f"{flags} rank {r['rank']}")
+        for name, (value, axis) in r["params"].items():
+            ref = ref_params[name][0]
+            if axis is not None:
+                ref = np.split(ref, mp, axis=axis)[r["mp_rank"]]
+            np.testing.assert_allclose(value, ref, rtol=0, atol=PARAM_ATOL, err_msg=f"{flags} rank {r['rank']} {name}")
+            held.add(name)
+    assert held == set(ref_params), f"{flags}: parameters held by no rank: {set(ref_params) - held}"
+
+
+def test_layouts_train_like_one_process(paddleformers_version):
+    """PP2 (LlamaForCausalLMPipe), TP2 + sequence parallel (LlamaForCausalLM) and
+    PP2 x TP2 + sequence parallel + recompute: same weights, same data, the one-process
+    losses (rtol 1e-5) and final weights (atol 2e-5) on every rank."""
+    one = _run(1, "--pp", "1")[0]
+    assert one["losses"][-1] < one["losses"][0] - 0.1, one["losses"]  # it trains
+    for nprocs, flags in ((2, ["--pp", "2"]),
+                          (2, ["--pp", "1", "--mp", "2", "--sequence-parallel"]),
+                          (4, ["--pp", "2", "--mp", "2", "--sequence-parallel", "--recompute"])):
+        assert_like_one_process(_run(nprocs, *flags), one, flags)
+
+
+def test_sharding_trains_like_one_process(paddleformers_version):
+    """Sharding stage 1 (V1; the Trainer's split_param V2 needs fp16/bf16): 2 replicas x 2
+    microbatches of the global batch give the losses of one process running 4 microbatches."""
+    one = _run(1, "--pp", "1", "--accumulate-steps", "4")[0]
+    flags = ["--pp", "1", "--sharding", "2", "--accumulate-steps", "2"]
+    assert_like_one_process(_run(2, *flags), one, flags)
