@@ -266,11 +266,11 @@ def shard_info(model) -> dict:
 
 
 def global_batch(step: int, rows: int, args):
-    """Deterministic token sequences (arithmetic progressions modulo --vocab with a few
-    strides, so there is something to learn); inputs and next-token labels."""
+    """Deterministic token sequences (arithmetic progressions modulo --vocab, stride 1 or
+    2, so a few steps already learn something); inputs and next-token labels."""
     rng = np.random.default_rng([args.seed, step])
     start = rng.integers(0, args.vocab, size=(rows, 1))
-    stride = rng.integers(1, 4, size=(rows, 1))
+    stride = rng.integers(1, 3, size=(rows, 1))
     tokens = (start + stride * np.arange(args.seq_len + 1)) % args.vocab
     return tokens[:, :-1].astype("int64"), tokens[:, 1:].astype("int64")
 

@@ -95,7 +95,7 @@ def test_strategy_is_the_trainers(example):
     strategy = example.make_strategy(args)
     hybrid = strategy.hybrid_configs
     assert (hybrid["dp_degree"], hybrid["mp_degree"], hybrid["pp_degree"], hybrid["sharding_degree"]) == (1, 2, 2, 2)
-    assert list(hybrid["order"]) == ["dp", "sharding", "pp", "sep", "mp"]  # the Trainer's "sharding_first"
+    assert list(strategy.hybrid_parallel_order) == ["dp", "sharding", "pp", "sep", "mp"]  # "sharding_first"
     assert hybrid["pp_configs"].delay_scale_loss and hybrid["pp_configs"].use_batch_p2p_comm
     assert not hybrid["sharding_configs"].split_param
     assert strategy.pipeline_configs["accumulate_steps"] == 4
