@@ -34,38 +34,61 @@ def example():
     return mod
 
 
-def require_paddleformers() -> str:
-    """The installed PaddleFormers version, or a test failure naming the install command
-    (a dependency CI installs: missing is an error, not a skip)."""
-    try:
-        version = importlib.metadata.version("paddleformers")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.fail(f"tests/paddleformers need PaddleFormers {PADDLEFORMERS_VERSION}, which is not installed: "
-                    f"{INSTALL}.", pytrace=False)
-    if version != PADDLEFORMERS_VERSION:
-        pytest.fail(f"tests/paddleformers are verified with PaddleFormers {PADDLEFORMERS_VERSION}, found {version}: "
-                    f"{INSTALL}; or verify the new version and move PADDLEFORMERS_VERSION here.", pytrace=False)
-    return version
+# PaddleFormers 1.2.0 imports paddle.nn.functional.swiglu (nn/mlp.py), which Paddle 3.2 does
+# not have, and asks for Paddle >= 3.3: CI installs it with Paddle 3.3 only.
+MIN_PADDLE = (3, 3)
+
+
+def _major_minor(version: str) -> tuple:
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return (99, 99) if (major, minor) == (0, 0) else (major, minor)  # 0.0.0: a develop build
+
+
+def paddleformers_status(paddle_version: str, installed: str | None) -> tuple:
+    """("ok", version), ("skip", why) or ("fail", what to install) for these tests. Missing or
+    another version is a failure (CI installs the pin); only a Paddle PaddleFormers 1.2.0
+    cannot run on is a skip."""
+    if _major_minor(paddle_version) < MIN_PADDLE:
+        return "skip", (f"PaddleFormers {PADDLEFORMERS_VERSION} needs Paddle >= {'.'.join(map(str, MIN_PADDLE))} "
+                        f"(it imports paddle.nn.functional.swiglu); this is Paddle {paddle_version}")
+    if installed is None:
+        return "fail", (f"tests/paddleformers need PaddleFormers {PADDLEFORMERS_VERSION}, which is not installed: "
+                        f"{INSTALL}.")
+    if installed != PADDLEFORMERS_VERSION:
+        return "fail", (f"tests/paddleformers are verified with PaddleFormers {PADDLEFORMERS_VERSION}, found "
+                        f"{installed}: {INSTALL}; or verify the new version and move PADDLEFORMERS_VERSION here.")
+    return "ok", installed
 
 
 @pytest.fixture(scope="module")
 def paddleformers_version():
-    return require_paddleformers()
+    import paddle
+
+    try:
+        installed = importlib.metadata.version("paddleformers")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    action, detail = paddleformers_status(paddle.__version__, installed)
+    if action == "skip":
+        pytest.skip(detail)
+    if action == "fail":
+        pytest.fail(detail, pytrace=False)
+    return detail
 
 
 # --------------------------------------------------------------------------- no processes
 
 
-def test_missing_paddleformers_fails_with_install_line(monkeypatch):
-    def not_installed(name):
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    with pytest.raises(pytest.fail.Exception, match=f"pip install --no-deps paddleformers=={PADDLEFORMERS_VERSION}"):
-        require_paddleformers()
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
-    with pytest.raises(pytest.fail.Exception, match="found 9.9.9"):
-        require_paddleformers()
+@pytest.mark.parametrize("paddle_version, installed, action, message", [
+    ("3.3.1", None, "fail", f"pip install --no-deps paddleformers=={PADDLEFORMERS_VERSION}"),
+    ("3.3.1", "9.9.9", "fail", "found 9.9.9"),
+    ("0.0.0", None, "fail", "not installed"),  # a develop build counts as new
+    ("3.3.1", PADDLEFORMERS_VERSION, "ok", PADDLEFORMERS_VERSION),
+    ("3.2.2", None, "skip", "needs Paddle >= 3.3"),
+])
+def test_missing_paddleformers_fails_with_install_line(paddle_version, installed, action, message):
+    got_action, detail = paddleformers_status(paddle_version, installed)
+    assert got_action == action and message in detail, (got_action, detail)
 
 
 def test_example_names_the_install_when_the_import_fails(example, monkeypatch):
