@@ -162,9 +162,13 @@ def test_layouts_train_like_one_process(paddleformers_version):
         assert_like_one_process(_run(nprocs, *flags), one, flags)
 
 
-def test_sharding_trains_like_one_process(paddleformers_version):
-    """Sharding stage 1 (V1; the Trainer's split_param V2 needs fp16/bf16): 2 replicas x 2
-    microbatches of the global batch give the losses of one process running 4 microbatches."""
+def test_data_parallel_and_sharding_train_like_one_process(paddleformers_version):
+    """Data parallel, sharding stage 1 (V1; the Trainer's split_param V2 needs fp16/bf16) and
+    PP2 x sharding 2: 2 replicas x 2 microbatches of the global batch give the losses and
+    weights of one process running all 4 microbatches."""
     one = _run(1, "--pp", "1", "--accumulate-steps", "4")[0]
-    flags = ["--pp", "1", "--sharding", "2", "--accumulate-steps", "2"]
-    assert_like_one_process(_run(2, *flags), one, flags)
+    for nprocs, flags in ((2, ["--pp", "1", "--dp", "2"]),
+                          (2, ["--pp", "1", "--sharding", "2"]),
+                          (4, ["--pp", "2", "--sharding", "2"])):
+        flags = flags + ["--accumulate-steps", "2"]
+        assert_like_one_process(_run(nprocs, *flags), one, flags)
