@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence parallelism in the tensor-parallel region (needs --mp > 1)")
     g.add_argument("--recompute", action="store_true",
                    help="recompute every decoder layer (recompute_granularity='full', method 'uniform', 1 layer)")
+    g.add_argument("--mp-async-allreduce", action="store_true",
+                   help="the Trainer's mp_async_allreduce: column-parallel backward overlaps its allreduce "
+                        "(hybrid_configs mp_configs)")
+    g.add_argument("--mp-skip-c-identity", action="store_true",
+                   help="the Trainer's mp_skip_c_identity (with --mp-async-allreduce)")
     g.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch")
     g.add_argument("--accumulate-steps", type=int, default=2, help="microbatches per step")
     g = p.add_argument_group("model and data")
@@ -78,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
-    """Check the arguments against each other (and the world size); raise
-    :class:`ArgError` naming the flag to change."""
+def validate(args: argparse.Namespace, world_size: int | None = None, cpu: bool = False) -> argparse.Namespace:
+    """Check the arguments against each other (and the world size, and whether the run is
+    on CPU); raise :class:`ArgError` naming the flag to change."""
     if args.kv_heads is None:
         args.kv_heads = args.heads
     for name in ("pp", "mp", "dp", "sharding", "micro_batch_size", "accumulate_steps", "layers", "hidden", "heads",
@@ -104,6 +109,14 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
         if args.seq_len % args.mp:
             raise ArgError(f"--seq-len ({args.seq_len}) must be a multiple of --mp ({args.mp}) with "
                            "--sequence-parallel.")
+    if (args.mp_async_allreduce or args.mp_skip_c_identity) and args.mp == 1:
+        raise ArgError("--mp-async-allreduce / --mp-skip-c-identity configure tensor parallel; they need --mp > 1.")
+    if args.mp_skip_c_identity and not args.mp_async_allreduce:
+        raise ArgError("--mp-skip-c-identity only acts with --mp-async-allreduce (as in the Trainer); add it.")
+    if cpu and args.mp_async_allreduce and not args.mp_skip_c_identity:
+        raise ArgError("--mp-async-allreduce on CPU needs --mp-skip-c-identity: fleet's overlapped column-parallel "
+                       "linear calls the c_identity op itself, and c_identity has no CPU kernel (its backward "
+                       "allreduce is done by the overlapped linear anyway).")
     procs = args.pp * args.mp * args.dp * args.sharding
     if world_size is not None and procs != world_size:
         raise ArgError(
@@ -180,8 +193,11 @@ def make_strategy(args):
         sharding.split_param = False
         if args.pp == 1:
             sharding.tensor_fusion = False  # [sharding_parallel_config: enable_stage1_tensor_fusion] off
-    # mp_configs: the Trainer sets mp_async_allreduce, mp_skip_c_identity,
-    # mp_fused_linear_param_grad_add, sp_async_reduce_scatter only when asked; all off by default.
+    # mp_configs: the Trainer sets these only when asked (all off by default).
+    # mp_fused_linear_param_grad_add is left off: its kernel raises NotImplementedError on CPU.
+    if args.mp_async_allreduce:
+        strategy.hybrid_configs["mp_configs"].mp_async_allreduce = True
+        strategy.hybrid_configs["mp_configs"].mp_skip_c_identity = bool(args.mp_skip_c_identity)
     return strategy
 
 
@@ -313,10 +329,11 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
-    validate(args, world)
+    import paddle
+
+    validate(args, world, cpu=not paddle.is_compiled_with_cuda())
     import_paddleformers()  # fail before fleet starts if it is missing
 
-    import paddle
     import paddle.distributed as dist
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils.sequence_parallel_utils import register_sequence_parallel_allreduce_hooks
