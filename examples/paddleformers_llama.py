@@ -6,23 +6,25 @@ On CPU it runs over gloo (``import paddle_hybrid`` before ``fleet.init``); launc
 
     python examples/paddleformers_llama.py --pp 1                       # one process
     python -m paddle.distributed.launch --nproc_per_node 2 examples/paddleformers_llama.py --pp 2
-    python -m paddle.distributed.launch --nproc_per_node 2 examples/paddleformers_llama.py --pp 1 --mp 2 --sequence-parallel
+    python -m paddle.distributed.launch --nproc_per_node 2 examples/paddleformers_llama.py --pp 1 --mp 2 \
+        --sequence-parallel
     python -m paddle.distributed.launch --nproc_per_node 4 examples/paddleformers_llama.py --pp 2 --mp 2 --recompute
     python -m paddle.distributed.launch --nproc_per_node 2 examples/paddleformers_llama.py --pp 1 --sharding 2
 
-Needs ``pip install paddleformers==1.2.0`` (see README, "PaddleFormers on CPU").
+Needs PaddleFormers 1.2.0, which needs Paddle >= 3.3 (see README, "PaddleFormers on CPU").
 
 The model is PaddleFormers' own: ``LlamaForCausalLMPipe`` with ``--pp > 1`` (a fleet
 ``PipelineLayer``), ``LlamaForCausalLM`` otherwise; with ``--mp`` its linears are fleet's
 column/row (sequence-)parallel layers and the loss is ``ParallelCrossEntropy``.  The fleet
 strategy carries the keys and defaults PaddleFormers' ``TrainingArguments`` writes into
-``hybrid_configs`` (``order``, ``pp_configs``, ``sharding_configs``), ``pipeline_configs`` and
-``tensor_parallel_configs``.  The fused kernels PaddleFormers would pick on a GPU have no CPU
+``hybrid_configs`` (``order``, ``pp_configs``, ``mp_configs``, ``sharding_configs``),
+``pipeline_configs`` and ``tensor_parallel_configs``.  The fused kernels PaddleFormers would pick on a GPU have no CPU
 kernel and are switched off in :func:`model_config`.
 
 Same weights in every layout: every rank builds the one-process model (tensor parallel 1)
 from ``--seed``, then copies it into its own model, cutting each tensor-parallel parameter
-along the axis fleet records on it (``param.split_axis``).  Without dropout every layout
+along the axis fleet records on it (``param.split_axis``; PaddleFormers 1.2.0's LLaMA has no
+``_get_tensor_parallel_mappings`` to split a checkpoint with).  Without dropout every layout
 then trains to the losses of one process (up to float summation order).  Rank 0 prints one
 line per step.
 """
@@ -41,6 +43,10 @@ INSTALL_HINT = ("PaddleFormers is not installed: pip install paddleformers==1.2.
 
 class ArgError(ValueError):
     """Inconsistent command-line arguments; the message names the flag to change."""
+
+
+class MissingPaddleFormers(ImportError):
+    """PaddleFormers cannot be imported; the message says what to install."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +137,7 @@ def import_paddleformers():
     try:
         from paddleformers.transformers import LlamaConfig, LlamaForCausalLM, LlamaForCausalLMPipe
     except ImportError as exc:
-        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+        raise MissingPaddleFormers(f"{INSTALL_HINT} ({exc})") from exc
     return LlamaConfig, LlamaForCausalLM, LlamaForCausalLMPipe
 
 
@@ -269,6 +275,20 @@ def build_model(args, hcg):
     return model
 
 
+def count_attention_calls(model) -> list:
+    """Count the attention forwards of this rank (a one-element list, bumped by hooks): with
+    --recompute each runs twice per microbatch, once in forward, once again in backward."""
+    calls = [0]
+
+    def bump(layer, inputs, outputs):
+        calls[0] += 1
+
+    for name, layer in model.named_sublayers():
+        if name.endswith("self_attn"):
+            layer.register_forward_post_hook(bump)
+    return calls
+
+
 def shard_info(model) -> dict:
     """This rank's parameters by one-process name: (array, split axis or None)."""
     out = {}
@@ -297,8 +317,6 @@ def global_batch(step: int, rows: int, args):
 def train_step(model, opt, sched, x, y, args):
     """One optimizer step over --accumulate-steps microbatches; the mean microbatch loss.
     With a pipeline fleet's schedule runs them; otherwise they run here in turn."""
-    import paddle
-
     if args.pp > 1:
         return float(model.train_batch([x, y], opt, sched).reshape([-1])[0])
     total, mbs = 0.0, args.micro_batch_size
@@ -347,6 +365,7 @@ def main(argv=None) -> dict:
     rank = dist.get_rank()
 
     model = build_model(args, hcg)
+    attention_calls = count_attention_calls(model)
     if args.sequence_parallel:
         # norm weights see only this rank's tokens: their gradients are summed over the mp group
         # (the Trainer does this by a callback before the optimizer step, or these same hooks)
@@ -385,13 +404,13 @@ def main(argv=None) -> dict:
 
         inner = getattr(model, "_layers", model)
         save_result({"rank": rank, "losses": losses, "mp_rank": hcg.get_model_parallel_rank(),
-                     "params": shard_info(inner)})
+                     "params": shard_info(inner), "attention_calls": attention_calls[0]})
     return {"losses": losses}
 
 
 if __name__ == "__main__":
     try:
         main()
-    except ArgError as exc:
+    except (ArgError, MissingPaddleFormers) as exc:
         print(f"paddleformers_llama.py: error: {exc}", file=sys.stderr)
         raise SystemExit(2)
