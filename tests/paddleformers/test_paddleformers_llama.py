@@ -1,6 +1,7 @@
 """examples/paddleformers_llama.py: PaddleFormers' own LLaMA (LlamaForCausalLMPipe /
 LlamaForCausalLM) under fleet hybrid parallel on CPU, compared on every rank with one
-process.  Without PaddleFormers 1.2.0 these tests fail with the install line (conftest)."""
+process.  Without PaddleFormers 1.2.0 the training tests fail with the install line; on
+Paddle < 3.3, where PaddleFormers 1.2.0 does not import, they skip (paddleformers_status)."""
 import importlib.metadata
 import importlib.util
 import os
@@ -20,9 +21,10 @@ SCRIPT = os.path.join(ROOT, "examples", "paddleformers_llama.py")
 # tiny: 2 layers, hidden 32, 4 heads, vocab 64, 16 tokens; 2 microbatches of 2 sequences
 SHORT = ["--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq-len", "16",
          "--micro-batch-size", "2", "--steps", "4"]
-LOSS_RTOL = 1e-5  # summation order (TP partial sums, pipeline clipping norm); seen <= 1.2e-7
+LOSS_RTOL = 1e-5  # summation order (TP partial sums, pipeline clipping norm); seen <= 2e-7
 # Final weights: AdamW turns summation-order differences of near-zero gradients into
 # update differences up to ~lr x 1e-3, so an absolute bound (weights are ~0.1); seen <= 5.3e-6
+# here, <= 8.6e-6 after 20 steps of a 4-layer, hidden-64 model
 PARAM_ATOL = 2e-5
 
 
