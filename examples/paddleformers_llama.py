@@ -194,9 +194,11 @@ def make_strategy(args):
     strategy.hybrid_configs = hybrid
     if args.sharding > 1:
         sharding = strategy.hybrid_configs["sharding_configs"]
-        # The Trainer's split_param=True (sharding V2) asserts amp_master_grad, i.e. fp16/bf16,
-        # which has no CPU kernels: sharding stage 1 V1 here (TrainingArguments(split_param=False)).
-        sharding.split_param = False
+        # split_param stays unset (False), that is TrainingArguments(split_param=False): the
+        # Trainer's default True (sharding V2) asserts amp_master_grad, i.e. fp16/bf16, which
+        # have no CPU kernels. So sharding stage 1 V1.
+        if hasattr(sharding, "offload_opt_buffer_size"):
+            sharding.offload_opt_buffer_size = -1  # [sharding_offload_opt_buffersize_GB]
         if args.pp == 1:
             sharding.tensor_fusion = False  # [sharding_parallel_config: enable_stage1_tensor_fusion] off
     # mp_configs: the Trainer sets these only when asked (all off by default).

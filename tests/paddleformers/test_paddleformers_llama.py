@@ -140,6 +140,18 @@ def test_strategy_is_the_trainers(example):
 # --------------------------------------------------------------------------- processes
 
 
+def test_strategy_equals_what_the_trainer_sets(paddleformers_version):
+    """PaddleFormers' TrainingArguments initialises fleet for the example's flags (with the
+    two CPU settings, amp_master_grad and split_param off); the example's strategy equals it
+    in every hybrid_configs entry, the topology order, pipeline and tensor-parallel configs."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_trainer_strategy.py")
+    for flags in (["--pp", "2", "--accumulate-steps", "4"],
+                  ["--pp", "1", "--mp", "2", "--sequence-parallel", "--mp-async-allreduce", "--mp-skip-c-identity"],
+                  ["--pp", "1", "--sharding", "2"]):
+        for r in launch(worker, nprocs=2, args=flags, timeout=240):
+            assert r["fields"] > 20 and r["diff"] == {}, (flags, r["diff"])
+
+
 def _run(nprocs, *flags):
     return launch(SCRIPT, nprocs=nprocs, args=SHORT + list(flags), timeout=240)
 
