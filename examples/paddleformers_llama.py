@@ -37,8 +37,9 @@ import time
 
 import numpy as np
 
-INSTALL_HINT = ("PaddleFormers is not installed: pip install paddleformers==1.2.0 (on a shared "
-                "environment where it would change numpy, install it with --no-deps; see README).")
+INSTALL_HINT = ("PaddleFormers 1.2.0 cannot be imported. It needs Paddle >= 3.3 and `pip install "
+                "paddleformers==1.2.0` (that also downgrades numpy to 1.26.4; README, 'PaddleFormers on CPU', "
+                "lists a --no-deps install that leaves numpy alone)")
 
 
 class ArgError(ValueError):
