@@ -1,0 +1,252 @@
+"""Running one step of a legacy pipeline section program with micro-batches.
+
+Paddle 3.3's ``Executor.run`` acts on ``program._pipeline_opt`` only for auto-parallel's
+``standalone_opt``; for fleet's legacy pipeline it runs the unsplit program, and the section
+program is reachable only through ``train_from_dataset``.  What is missing is device-independent,
+and this module is it (the device rule gates it in :mod:`paddle_hybrid.static_pipeline`):
+
+1. **Split** (once per program and fetch list): the section program (lowered for gloo on CPU, see
+   :mod:`.lowering`) is cut by op role into four sub-programs, each op in program order: ``lr``
+   (``LRSched``: learning-rate ops and the zeroing of the ``@MERGED`` accumulators, once per step),
+   ``forward`` and ``backward`` (once per micro-batch), ``optimizer`` (once per step).  This is the
+   execution model of Paddle's old section worker, which the send-wait checker also assumes.
+2. **Plan**: one ``core.Job`` per entry of :func:`.schedule.job_order`, each forward/backward with
+   its micro-batch id (the standalone executor gives every micro-batch its own scope), with
+   ``skip_gc_vars`` so a forward activation outlives its job until the backward job that reads it
+   (a ``ph_nop`` of the send-wait rewrite counts as a reader: it is what keeps a forward-sent
+   variable alive).  Run by ``core.StandaloneExecutor`` with ``FLAGS_new_executor_static_build=1``
+   and the legacy interpreter (``FLAGS_enable_pir_in_executor=0``).
+3. **Fetch**: a fetched forward variable is stacked per micro-batch (shape
+   ``[accumulate_steps, *shape]``, as Paddle's own micro-batched executor path returns it): the
+   forward sub-program writes it into a persistable buffer at a step counter.  A fetched variable
+   computed on another stage (the loss, on every stage but the last) is broadcast from that stage,
+   so every rank returns the same value.  A persistable variable returns its value after the step.
+
+Data come from the program's own ``read`` op (a non-iterable ``DataLoader.from_generator``), one
+micro-batch per forward job, or from ``feed`` (each fed array is split into the micro-batches).
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle.base import core, framework
+
+from ..program_edit import OpRole, deferred_sync, op_role
+from .lowering import lower_for_gloo
+from .schedule import BACKWARD, FORWARD, LR, OPTIMIZER, job_order
+
+__all__ = ["SectionRunner", "phase_of", "split_by_phase", "is_pipeline_main", "is_pipeline_startup"]
+
+_COUNTER = "ph_pipeline_microbatch_counter"
+_FETCH_SUFFIX = "@PH_PIPELINE_FETCH"
+
+
+def is_pipeline_main(program) -> bool:
+    opt = getattr(program, "_pipeline_opt", None)
+    return (isinstance(program, framework.Program) and bool(opt) and "section_program" in opt
+            and "standalone_opt" not in opt)
+
+
+def is_pipeline_startup(program) -> bool:
+    opt = getattr(program, "_pipeline_opt", None)
+    return isinstance(program, framework.Program) and bool(opt) and set(opt) == {"startup_program"}
+
+
+def phase_of(op) -> str:
+    """Job type of ``op`` by its role (see the module doc)."""
+    role = op_role(op)
+    if role & int(OpRole.LRSched):
+        return LR
+    if role & int(OpRole.Optimize):
+        return OPTIMIZER
+    if role & int(OpRole.Backward):
+        return BACKWARD
+    if role & ~int(OpRole.Loss) == int(OpRole.Forward):
+        return FORWARD
+    raise ValueError(f"paddle_hybrid.static_pipeline: op {op.type} has role {role:#x}, which no pipeline phase "
+                     "runs (expected Forward, Backward, Optimize or LRSched).")
+
+
+def split_by_phase(program) -> dict:
+    """Job type -> a copy of ``program`` holding only that phase's ops (every variable kept)."""
+    out = {}
+    for job_type in (LR, FORWARD, BACKWARD, OPTIMIZER):
+        sub = program.clone()
+        block = sub.global_block()
+        with deferred_sync(block):
+            for idx in range(len(block.ops) - 1, -1, -1):
+                if phase_of(block.ops[idx]) != job_type:
+                    block._remove_op(idx)
+        out[job_type] = sub
+    return out
+
+
+def _stage_of(main_program, name: str):
+    """Stage whose ops produce ``name`` in the unsplit program (op_device ``gpu:K`` -> K), or None."""
+    for op in main_program.global_block().ops:
+        if name in op.output_arg_names and op.has_attr("op_device"):
+            device = op.attr("op_device")
+            if ":" in device and device.split(":")[1].isdigit():
+                return int(device.split(":")[1])
+    return None
+
+
+class SectionRunner:
+    """Runs steps of one pipeline ``main_program`` (fleet's, after ``minimize``) on this rank."""
+
+    def __init__(self, main_program, place, lower: bool):
+        opt = main_program._pipeline_opt
+        self.main = main_program
+        self.section = opt["section_program"]
+        self.stage = int(opt["pipeline_stage"])
+        self.num_stages = int(opt["num_pipeline_stages"])
+        self.schedule = opt["schedule_mode"]
+        self.num_microbatches = int(opt["num_microbatches"])
+        self.micro_batch_size = opt.get("ph_micro_batch_size")
+        self.place = place
+        self.lower = lower
+        self._executors: dict = {}  # fetch names -> (StandaloneExecutor, forward fetches, remote fetches)
+        self._check_pure_pipeline()
+
+    def _check_pure_pipeline(self) -> None:
+        import paddle.distributed as dist
+
+        world = dist.get_world_size()
+        if world > 1 and world != self.num_stages:
+            raise NotImplementedError(
+                f"paddle_hybrid.static_pipeline: {world} ranks for {self.num_stages} pipeline stages; only pure "
+                "pipeline parallel (one rank per stage, no data parallel) is run by the plugin.")
+
+    # -- building ---------------------------------------------------------------------------
+    def _classify_fetches(self, names):
+        """``([(name, owner stage)], [persistable name])``: the same first list on every rank, since
+        it is read from the unsplit program every rank holds."""
+        block = self.section.global_block()
+        computed, persist = [], []
+        for n in names:
+            if block.has_var(n) and block.var(n).persistable:
+                persist.append(n)
+                continue
+            owner = _stage_of(self.main, n)
+            if owner is None:
+                raise ValueError(
+                    f"paddle_hybrid.static_pipeline: cannot fetch {n!r}: it is no persistable variable of stage "
+                    f"{self.stage}'s section program and no op of the program computes it on a stage.")
+            if owner == self.stage and not any(n in op.output_arg_names and phase_of(op) == FORWARD
+                                               for op in block.ops):
+                raise ValueError(f"paddle_hybrid.static_pipeline: cannot fetch {n!r}: only forward outputs (stacked "
+                                 "per micro-batch) and persistable variables can be fetched.")
+            computed.append((n, owner))
+        return computed, persist
+
+    def _fetch_shape(self, var) -> list:
+        shape = list(var.shape)
+        if any(d < 0 for d in shape):
+            if self.micro_batch_size is None:
+                raise ValueError(f"paddle_hybrid.static_pipeline: fetched {var.name!r} has an unknown dimension.")
+            shape = [self.micro_batch_size if d < 0 else d for d in shape]
+        return shape
+
+    def _add_fetch_ops(self, forward, names) -> None:
+        """Forward sub-program: ``buffer[counter] = var`` for each fetched var, then ``counter += 1``."""
+        block = forward.global_block()
+        role = {"op_role": int(OpRole.Forward)}
+        counter = block.create_var(name=_COUNTER, shape=[1], dtype="int64", persistable=True)
+        for n in names:
+            var = block.var(n)
+            buf = block.create_var(name=n + _FETCH_SUFFIX, shape=[self.num_microbatches] + self._fetch_shape(var),
+                                   dtype=var.dtype, persistable=True)
+            row = block.create_var(name=n + _FETCH_SUFFIX + "@ROW", dtype=var.dtype)
+            block.append_op(type="stack", inputs={"X": [var]}, outputs={"Y": [row]}, attrs=dict(role, axis=0))
+            block.append_op(type="scatter", inputs={"X": [buf], "Ids": [counter], "Updates": [row]},
+                            outputs={"Out": [buf]}, attrs=dict(role, overwrite=True))
+        block.append_op(type="increment", inputs={"X": [counter]}, outputs={"Out": [counter]},
+                        attrs=dict(role, step=1.0))
+
+    def _build(self, local):
+        from paddle.distributed.passes.pass_utils import set_skip_gc_vars
+
+        program = lower_for_gloo(self.section) if self.lower else self.section.clone()
+        subs = split_by_phase(program)
+        self._add_fetch_ops(subs[FORWARD], local)
+        jobs = []
+        for job_type, mb in job_order(self.schedule, self.stage, self.num_stages, self.num_microbatches):
+            job = core.Job(job_type)
+            job.set_micro_batch_id(mb)
+            jobs.append(job)
+        types = list(subs)
+        type_to_program = set_skip_gc_vars(self.num_microbatches, types, [subs[t] for t in types], jobs)
+        plan = core.Plan(jobs, {t: p.desc for t, p in type_to_program.items()})
+        core_place = core.Place()
+        core_place.set_place(self.place)
+        return core.StandaloneExecutor(core_place, plan, self._scope), subs
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self, scope, feed=None, fetch_names=()):
+        """One step; returns the fetched values in ``fetch_names`` order."""
+        self._scope = scope
+        key = (id(scope), tuple(fetch_names))
+        if key not in self._executors:
+            computed, persist = self._classify_fetches(fetch_names)
+            local = [n for n, owner in computed if owner == self.stage]
+            with _flags(FLAGS_new_executor_static_build=True, FLAGS_enable_pir_in_executor=False):
+                exe, subs = self._build(local)
+            self._executors[key] = (exe, subs, computed, persist)
+        exe, subs, computed, persist = self._executors[key]
+        self._feed(feed or {})
+        self._prepare_step(subs[FORWARD], [n for n, owner in computed if owner == self.stage])
+        with _flags(FLAGS_new_executor_static_build=True, FLAGS_enable_pir_in_executor=False):
+            exe.run([], False)
+        values = {n: np.array(scope.find_var(n).get_tensor()) for n in persist}
+        values.update(self._share_computed(computed))
+        return [values[n] for n in fetch_names]
+
+    def _prepare_step(self, forward, local) -> None:
+        self._set(_COUNTER, np.zeros([1], dtype="int64"))
+        for n in local:
+            var = forward.global_block().var(n + _FETCH_SUFFIX)
+            self._set(var.name, np.zeros(var.shape, dtype=_np_dtype(var.dtype)))
+
+    def _set(self, name, array) -> None:
+        self._scope.var(name).get_tensor().set(array, self.place)
+
+    def _feed(self, feed) -> None:
+        if feed:
+            raise NotImplementedError(
+                "paddle_hybrid.static_pipeline: feed dicts are not supported; feed a pipeline program through a "
+                "non-iterable DataLoader.from_generator (one micro-batch per read), as Paddle's pipeline tests do.")
+
+    def _share_computed(self, computed) -> dict:
+        """Each computed fetch from its owner stage to every rank: one broadcast per fetch, in
+        fetch-list order on every rank (the list is the same everywhere)."""
+        import paddle.distributed as dist
+
+        out = {}
+        for n, owner in computed:
+            if owner == self.stage:
+                out[n] = np.array(self._scope.find_var(n + _FETCH_SUFFIX).get_tensor())
+            if dist.get_world_size() <= 1:
+                continue
+            var = self.main.global_block().var(n)
+            with paddle.base.dygraph.guard():
+                t = (paddle.to_tensor(out[n]) if owner == self.stage else
+                     paddle.zeros([self.num_microbatches] + self._fetch_shape(var), dtype=var.dtype))
+                dist.broadcast(t, src=owner)
+                out[n] = t.numpy()
+        return out
+
+
+def _np_dtype(dtype):
+    return paddle.base.data_feeder.convert_dtype(dtype)
+
+
+class _flags:
+    def __init__(self, **flags):
+        self.flags = flags
+
+    def __enter__(self):
+        self.saved = paddle.get_flags(list(self.flags))
+        paddle.set_flags(self.flags)
+
+    def __exit__(self, *exc):
+        paddle.set_flags(self.saved)
