@@ -159,7 +159,12 @@ def apply(config, patcher) -> None:
     patcher.check_params(common.CollectiveHelper._init_communicator,
                          ["self", "program", "current_endpoint", "endpoints", "rank", "ring_id", "wait_port",
                           "global_ring_id", "sync"], "CollectiveHelper._init_communicator")
+    from . import lowering
+
     timeout = config.static_pipeline_timeout
+    previous = lowering._timeout[0]
+    lowering.set_timeout(timeout)
+    patcher.on_revert(lambda: lowering.set_timeout(previous), "static_pipeline send timeout")
     patcher.set(executor.Executor, "run", _make_run(executor.Executor.run))
     patcher.set(pipeline_module.PipelineOptimizer, "minimize",
                 _make_minimize(pipeline_module.PipelineOptimizer.minimize, pipeline_module))

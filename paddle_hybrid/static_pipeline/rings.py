@@ -1,11 +1,19 @@
-"""Gloo rings for fleet's legacy static collectives, one rendezvous store per ring.
+"""Gloo rings for fleet's legacy static pipeline, one rendezvous store per ring.
 
 Fleet's static meta optimizers ask ``CollectiveHelper._init_communicator`` for each ring (the
 global ring, and one 2-rank ring per ordered pair of pipeline neighbours).  On a build without
 CUDA or XPU it raises "comm_id must be generated ...": it only knows NCCL/BKCL id ops for the
-startup program.  Here, on such a build, every member of a ring creates a gloo comm context for it
-instead (``core.CommContextManager.create_gloo_comm_context``, which legacy collective ops such as
-``broadcast`` find by ring id), and nothing is added to the startup program.
+startup program.  Here, on such a build, every member of a ring creates a gloo process group for
+it (``core.ProcessGroupGloo`` on the ring's own store, ring ranks as fleet numbers them), which
+:mod:`.lowering`'s point-to-point callbacks send and receive through; nothing is added to the
+startup program.
+
+Why process groups, not ``core.CommContextManager.create_gloo_comm_context`` for legacy ops:
+the executor gives a legacy collective op on CPU its comm context through the one shared CPU
+device context, and sets it only while that context has none
+(``interpreter::SetDeviceCommContext``): the first ring a process uses serves every later op,
+whatever its ``ring_id``.  A middle stage talks to two peers, and 1F1B interleaves the two
+directions, so one context per process cannot carry a pipeline.
 
 Why a store per ring: several gloo contexts rendezvousing on the one global TCP store mixed up
 the rank order of later rings and sometimes timed out on one rank only (RESEARCH.md).  The ring's
@@ -22,9 +30,10 @@ from __future__ import annotations
 import itertools
 import time
 
-__all__ = ["RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "ring_size"]
+__all__ = ["RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "ring_size", "ring"]
 
 _KEY = "paddle_hybrid/static_ring/{call}/{ring}"
+_GROUP_ID_BASE = 1 << 20  # process-group ids of the rings, clear of paddle.distributed's own
 
 
 class RingTimeoutError(TimeoutError):
@@ -32,10 +41,12 @@ class RingTimeoutError(TimeoutError):
 
 
 class RingInfo:
-    """A ring this process is a member of: id, its rank in it, and the global endpoints of its ranks."""
+    """A ring this process is a member of: id, its rank in it, the global endpoints of its ranks,
+    and (once created) its gloo process group."""
 
     def __init__(self, ring_id: int, rank: int, endpoints: list):
         self.ring_id, self.rank, self.endpoints = ring_id, rank, list(endpoints)
+        self.group = None
 
     @property
     def nranks(self) -> int:
@@ -54,13 +65,18 @@ _stores: list = []  # the private stores live as long as the process (the contex
 
 def ring_size(ring_id: int) -> int:
     """Number of ranks of ring ``ring_id``; raises naming the fix when this process has no such ring."""
+    return ring(ring_id).nranks
+
+
+def ring(ring_id: int) -> RingInfo:
+    """The :class:`RingInfo` of ``ring_id``; raises naming the fix when this process has no such ring."""
     info = rings.get(ring_id)
     if info is None:
         raise RuntimeError(
-            f"paddle_hybrid.static_pipeline: ring {ring_id} has no gloo context in this process; it is created "
+            f"paddle_hybrid.static_pipeline: ring {ring_id} has no gloo group in this process; it is created "
             "when fleet.distributed_optimizer(...).minimize(loss) runs with paddle_hybrid installed. Import "
             "paddle_hybrid before building the program.")
-    return info.nranks
+    return info
 
 
 def _global_store():
@@ -106,7 +122,7 @@ def _ring_store(info: RingInfo, call: int, timeout: float):
 
 
 def create_ring(info: RingInfo, call: int, timeout: float) -> None:
-    """Create the gloo comm context of ``info`` (collective over the ring's members)."""
+    """Create the gloo process group of ``info`` (collective over the ring's members)."""
     from paddle.base import core
 
     existing = rings.get(info.ring_id)
@@ -115,15 +131,15 @@ def create_ring(info: RingInfo, call: int, timeout: float) -> None:
             raise RuntimeError(
                 f"paddle_hybrid.static_pipeline: ring {info.ring_id} exists with other members "
                 f"({existing.describe()}); now asked for {info.describe()}. One process can hold one gloo "
-                "context per ring id: build one pipeline program per process.")
+                "group per ring id: build one pipeline program per process.")
         return  # the same ring again (a second program in this process): reuse it
     try:
         store = _ring_store(info, call, timeout)
-        core.CommContextManager.create_gloo_comm_context(store, str(info.ring_id), info.rank, info.nranks)
+        info.group = core.ProcessGroupGloo.create(store, info.rank, info.nranks, _GROUP_ID_BASE + info.ring_id)
     except RingTimeoutError:
         raise
     except Exception as exc:  # the store and gloo raise generic errors: say which ring
-        raise RingTimeoutError(f"paddle_hybrid.static_pipeline: creating the gloo context of {info.describe()} "
+        raise RingTimeoutError(f"paddle_hybrid.static_pipeline: creating the gloo group of {info.describe()} "
                                f"failed: {exc}") from exc
     _stores.append(store)
     rings[info.ring_id] = info

@@ -32,7 +32,7 @@ import paddle
 from paddle.base import core, framework
 
 from ..program_edit import OpRole, deferred_sync, op_role
-from .lowering import lower_for_gloo
+from .lowering import drain_all, lower_for_gloo
 from .schedule import BACKWARD, FORWARD, LR, OPTIMIZER, job_order
 
 __all__ = ["SectionRunner", "phase_of", "split_by_phase", "is_pipeline_main", "is_pipeline_startup"]
@@ -189,14 +189,16 @@ class SectionRunner:
         if key not in self._executors:
             computed, persist = self._classify_fetches(fetch_names)
             local = [n for n, owner in computed if owner == self.stage]
-            with _flags(FLAGS_new_executor_static_build=True, FLAGS_enable_pir_in_executor=False):
+            with _flags(FLAGS_new_executor_static_build=False, FLAGS_enable_pir_in_executor=False, FLAGS_new_executor_serial_run=True):
                 exe, subs = self._build(local)
             self._executors[key] = (exe, subs, computed, persist)
         exe, subs, computed, persist = self._executors[key]
         self._feed(feed or {})
         self._prepare_step(subs[FORWARD], [n for n, owner in computed if owner == self.stage])
-        with _flags(FLAGS_new_executor_static_build=True, FLAGS_enable_pir_in_executor=False):
+        with _flags(FLAGS_new_executor_static_build=False, FLAGS_enable_pir_in_executor=False, FLAGS_new_executor_serial_run=True):
             exe.run([], False)
+        if self.lower:
+            drain_all()  # a step ends when its sends arrived: errors surface in the step that caused them
         values = {n: np.array(scope.find_var(n).get_tensor()) for n in persist}
         values.update(self._share_computed(computed))
         return [values[n] for n in fetch_names]

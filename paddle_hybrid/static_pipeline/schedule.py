@@ -9,7 +9,10 @@ from __future__ import annotations
 
 __all__ = ["SCHEDULES", "job_order", "LR", "FORWARD", "BACKWARD", "OPTIMIZER"]
 
-LR, FORWARD, BACKWARD, OPTIMIZER = "lr", "forward", "backward", "optimizer"
+# Job types.  Not Paddle's "forward"/"backward": its standalone executor demands a statically
+# built interpreter for a job named "backward" (auto-parallel's rule), and the p2p ``py_func``
+# ops of a section program on CPU cannot be built statically.
+LR, FORWARD, BACKWARD, OPTIMIZER = "section_lr", "section_forward", "section_backward", "section_optimizer"
 SCHEDULES = ("F-then-B", "1F1B")
 
 
