@@ -15,12 +15,13 @@ Paddle                                          change
                                                 program runs its stage's split startup program
 ``incubate PipelineOptimizer.minimize``         on a build without CUDA its CUDA-only
                                                 ``place_list`` is filled with the CPU place
-``CollectiveHelper._init_communicator``         on a build without CUDA/XPU: gloo rings, a
-                                                store per ring (:mod:`.rings`)
+``CollectiveHelper._init_communicator``         on a build without CUDA/XPU, called from fleet's
+(and fleet ``PipelineOptimizer.                 pipeline optimizer: gloo rings, a store per
+_init_process_group``, which marks the calls)   ring (:mod:`.rings`); other calls unchanged
 =============================================  ===============================================
 
 On CPU the executed copy of the section program has its ``send_v2``/``recv_v2`` lowered to
-``broadcast`` on the 2-rank pair rings (:mod:`.lowering`).
+point-to-point messages on the rings' gloo process groups (:mod:`.lowering`).
 
 Device rule: the runner is device-independent (Paddle 3.3 lacks it on GPU too) but has only
 executed on CPU.  ``PluginConfig.static_pipeline`` (``PADDLE_HYBRID_STATIC_PIPELINE``): ``"auto"``
@@ -147,6 +148,7 @@ def apply(config, patcher) -> None:
     import paddle.incubate.optimizer.pipeline as pipeline_module
     from paddle.base import executor
     from paddle.distributed.fleet.meta_optimizers import common
+    from paddle.distributed.fleet.meta_optimizers import pipeline_optimizer as fleet_pipeline
 
     from . import rings
 
@@ -161,6 +163,8 @@ def apply(config, patcher) -> None:
                           "global_ring_id", "sync"], "CollectiveHelper._init_communicator")
     from . import lowering
 
+    patcher.check_params(fleet_pipeline.PipelineOptimizer._init_process_group,
+                         ["self", "pipeline_pair", "pipeline_ring_map"], "fleet PipelineOptimizer._init_process_group")
     timeout = config.static_pipeline_timeout
     previous = lowering._timeout[0]
     lowering.set_timeout(timeout)
@@ -168,5 +172,7 @@ def apply(config, patcher) -> None:
     patcher.set(executor.Executor, "run", _make_run(executor.Executor.run))
     patcher.set(pipeline_module.PipelineOptimizer, "minimize",
                 _make_minimize(pipeline_module.PipelineOptimizer.minimize, pipeline_module))
+    patcher.set(fleet_pipeline.PipelineOptimizer, "_init_process_group",
+                rings.make_init_process_group(fleet_pipeline.PipelineOptimizer._init_process_group))
     patcher.set(common.CollectiveHelper, "_init_communicator",
                 rings.make_init_communicator(common.CollectiveHelper._init_communicator, lambda: timeout))

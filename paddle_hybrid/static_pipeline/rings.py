@@ -27,10 +27,13 @@ ring and its ranks.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 import time
 
-__all__ = ["RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "ring_size", "ring"]
+__all__ = ["RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "make_init_process_group", "ring_size",
+           "ring"]
 
 _KEY = "paddle_hybrid/static_ring/{call}/{ring}"
 _GROUP_ID_BASE = 1 << 20  # process-group ids of the rings, clear of paddle.distributed's own
@@ -145,17 +148,35 @@ def create_ring(info: RingInfo, call: int, timeout: float) -> None:
     rings[info.ring_id] = info
 
 
+_pipeline_init = threading.local()  # .active: inside fleet's PipelineOptimizer._init_process_group
+
+
+def make_init_process_group(original):
+    """Fleet's ``PipelineOptimizer._init_process_group``, marking its ring requests as the
+    pipeline's (the only ones this module serves)."""
+
+    @functools.wraps(original)
+    def _init_process_group(self, pipeline_pair, pipeline_ring_map):
+        _pipeline_init.active = True
+        try:
+            return original(self, pipeline_pair, pipeline_ring_map)
+        finally:
+            _pipeline_init.active = False
+
+    return _init_process_group
+
+
 def make_init_communicator(original, timeout_of):
-    """``CollectiveHelper._init_communicator`` that creates gloo rings where the original cannot
-    (no CUDA, no XPU) and calls the original everywhere else.  ``timeout_of()`` gives the timeout."""
-    import functools
+    """``CollectiveHelper._init_communicator`` that creates gloo rings for fleet's static pipeline
+    where the original cannot (no CUDA, no XPU); every other call goes to the original, which
+    keeps its own error for a CPU build.  ``timeout_of()`` gives the timeout."""
 
     @functools.wraps(original)
     def _init_communicator(self, program, current_endpoint, endpoints, rank, ring_id, wait_port,
                            global_ring_id=None, sync=True):
         from paddle.base import core
 
-        if core.is_compiled_with_cuda() or core.is_compiled_with_xpu():
+        if core.is_compiled_with_cuda() or core.is_compiled_with_xpu() or not getattr(_pipeline_init, "active", False):
             return original(self, program, current_endpoint, endpoints, rank, ring_id, wait_port,
                             global_ring_id, sync)
         call = next(_calls)  # counted on members and non-members alike: same number on every rank
