@@ -137,9 +137,14 @@ def recv(ring_id: int, peer: int, shape, dtype):
     """Receive an array of ``shape``/``dtype`` from ring rank ``peer`` of ring ``ring_id``."""
     import paddle
 
+    info = ring(ring_id)
     with _dygraph():
         t = paddle.zeros(shape, dtype=dtype)
-        ring(ring_id).group.recv(t, peer, True).wait()
+        try:
+            info.group.recv(t, peer, True).wait()
+        except Exception as exc:  # gloo's timeout names no ring
+            raise RingTimeoutError(f"paddle_hybrid.static_pipeline: {info.describe()}: receiving from ring rank "
+                                   f"{peer} failed (PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT bounds the wait): {exc}") from exc
         return t.numpy()
 
 

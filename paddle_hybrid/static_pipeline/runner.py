@@ -12,10 +12,10 @@ and this module is it (the device rule gates it in :mod:`paddle_hybrid.static_pi
    execution model of Paddle's old section worker, which the send-wait checker also assumes.
 2. **Plan**: one ``core.Job`` per entry of :func:`.schedule.job_order`, each forward/backward with
    its micro-batch id (the standalone executor gives every micro-batch its own scope), with
-   ``skip_gc_vars`` so a forward activation outlives its job until the backward job that reads it
-   (a ``ph_nop`` of the send-wait rewrite counts as a reader: it is what keeps a forward-sent
-   variable alive).  Run by ``core.StandaloneExecutor`` with ``FLAGS_new_executor_static_build=1``
-   and the legacy interpreter (``FLAGS_enable_pir_in_executor=0``).
+   Paddle's ``skip_gc_vars`` so a forward variable outlives its job until the last job of its
+   micro-batch that reads it (a ``ph_nop`` of the send-wait rewrite counts as a reader, Paddle's
+   built-in ``nop`` does not: ``pass_utils`` skips it).  Run by ``core.StandaloneExecutor`` with
+   the settings of :data:`EXECUTOR_FLAGS`.
 3. **Fetch**: a fetched forward variable is stacked per micro-batch (shape
    ``[accumulate_steps, *shape]``, as Paddle's own micro-batched executor path returns it): the
    forward sub-program writes it into a persistable buffer at a step counter.  A fetched variable
@@ -23,7 +23,7 @@ and this module is it (the device rule gates it in :mod:`paddle_hybrid.static_pi
    so every rank returns the same value.  A persistable variable returns its value after the step.
 
 Data come from the program's own ``read`` op (a non-iterable ``DataLoader.from_generator``), one
-micro-batch per forward job, or from ``feed`` (each fed array is split into the micro-batches).
+micro-batch per forward job; ``feed`` dicts are refused with that advice.
 """
 from __future__ import annotations
 
@@ -35,9 +35,20 @@ from ..program_edit import OpRole, deferred_sync, op_role
 from .lowering import drain_all, lower_for_gloo
 from .schedule import BACKWARD, FORWARD, LR, OPTIMIZER, job_order
 
-__all__ = ["SectionRunner", "phase_of", "split_by_phase", "is_pipeline_main", "is_pipeline_startup"]
+__all__ = ["SectionRunner", "phase_of", "split_by_phase", "is_pipeline_main", "is_pipeline_startup", "EXECUTOR_FLAGS"]
 
 _COUNTER = "ph_pipeline_microbatch_counter"
+
+EXECUTOR_FLAGS = {
+    # The legacy interpreter: PIR translation of the section program would have to repair the
+    # plugin's custom ops (see fused_allreduce.pir_repair); the legacy program runs as it is.
+    "FLAGS_enable_pir_in_executor": False,
+    # Built while first run: the CPU p2p ops are py_func ops, which cannot be built statically.
+    "FLAGS_new_executor_static_build": False,
+    # Ops in program order: a recv has no input, so only the order keeps it where the program
+    # (and the peer's matching send) put it.
+    "FLAGS_new_executor_serial_run": True,
+}
 _FETCH_SUFFIX = "@PH_PIPELINE_FETCH"
 
 
@@ -105,7 +116,7 @@ class SectionRunner:
         self.micro_batch_size = opt.get("ph_micro_batch_size")
         self.place = place
         self.lower = lower
-        self._executors: dict = {}  # fetch names -> (StandaloneExecutor, forward fetches, remote fetches)
+        self._executors: dict = {}  # (scope, fetch names) -> (executor, sub-programs, computed, persistable)
         self._check_pure_pipeline()
 
     def _check_pure_pipeline(self) -> None:
@@ -163,7 +174,7 @@ class SectionRunner:
         block.append_op(type="increment", inputs={"X": [counter]}, outputs={"Out": [counter]},
                         attrs=dict(role, step=1.0))
 
-    def _build(self, local):
+    def _build(self, scope, local):
         from paddle.distributed.passes.pass_utils import set_skip_gc_vars
 
         program = lower_for_gloo(self.section) if self.lower else self.section.clone()
@@ -179,7 +190,7 @@ class SectionRunner:
         plan = core.Plan(jobs, {t: p.desc for t, p in type_to_program.items()})
         core_place = core.Place()
         core_place.set_place(self.place)
-        return core.StandaloneExecutor(core_place, plan, self._scope), subs
+        return core.StandaloneExecutor(core_place, plan, scope), subs
 
     # -- running ----------------------------------------------------------------------------
     def run(self, scope, feed=None, fetch_names=()):
@@ -189,13 +200,13 @@ class SectionRunner:
         if key not in self._executors:
             computed, persist = self._classify_fetches(fetch_names)
             local = [n for n, owner in computed if owner == self.stage]
-            with _flags(FLAGS_new_executor_static_build=False, FLAGS_enable_pir_in_executor=False, FLAGS_new_executor_serial_run=True):
-                exe, subs = self._build(local)
+            with _flags(EXECUTOR_FLAGS):
+                exe, subs = self._build(scope, local)
             self._executors[key] = (exe, subs, computed, persist)
         exe, subs, computed, persist = self._executors[key]
         self._feed(feed or {})
         self._prepare_step(subs[FORWARD], [n for n, owner in computed if owner == self.stage])
-        with _flags(FLAGS_new_executor_static_build=False, FLAGS_enable_pir_in_executor=False, FLAGS_new_executor_serial_run=True):
+        with _flags(EXECUTOR_FLAGS):
             exe.run([], False)
         if self.lower:
             drain_all()  # a step ends when its sends arrived: errors surface in the step that caused them
@@ -243,7 +254,9 @@ def _np_dtype(dtype):
 
 
 class _flags:
-    def __init__(self, **flags):
+    """Paddle flags set for a ``with`` block, restored after."""
+
+    def __init__(self, flags):
         self.flags = flags
 
     def __enter__(self):
