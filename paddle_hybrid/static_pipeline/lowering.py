@@ -35,7 +35,7 @@ from paddle.base import framework
 from ..program_edit import OP_DEVICE_KEY, OP_ROLE_KEY, deferred_sync, op_role
 from .rings import RingTimeoutError, ring
 
-__all__ = ["lower_for_gloo", "send", "recv", "wait_sends", "drain_all", "set_timeout"]
+__all__ = ["lower_for_gloo", "send", "recv", "wait_sends", "drain_all", "set_timeout", "take_failure"]
 
 
 def _dygraph():
@@ -148,6 +148,29 @@ def recv(ring_id: int, peer: int, shape, dtype):
         return t.numpy()
 
 
+_failure: list = [None]  # the last exception of a callback: py_func reports only "std::exception"
+
+
+def take_failure():
+    """The exception a p2p callback raised in the last executor run (once), or None."""
+    failure, _failure[0] = _failure[0], None
+    return failure
+
+
+def _reported(fn):
+    """``fn`` for a py_func op: an exception is kept for :func:`take_failure` before it crosses
+    into C++, where its message would be lost."""
+
+    def call(*args):
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            _failure[0] = exc
+            raise
+
+    return call
+
+
 def _attrs(op) -> dict:
     attrs = {OP_ROLE_KEY: op_role(op)}
     if op.has_attr(OP_DEVICE_KEY):
@@ -158,7 +181,7 @@ def _attrs(op) -> dict:
 def _py_func_attrs(op, fn) -> dict:
     from paddle.static.nn.common import PyFuncRegistry
 
-    registry = PyFuncRegistry(fn)  # Paddle keeps the registry (and so fn) for the process's life
+    registry = PyFuncRegistry(_reported(fn))  # Paddle keeps the registry (and fn) for the process's life
     return dict(_attrs(op), forward_callable_id=registry.id, backward_callable_id=-1, backward_skip_vars=[])
 
 

@@ -32,7 +32,7 @@ import paddle
 from paddle.base import core, framework
 
 from ..program_edit import OpRole, deferred_sync, op_role
-from .lowering import drain_all, lower_for_gloo
+from .lowering import drain_all, lower_for_gloo, take_failure
 from .schedule import BACKWARD, FORWARD, LR, OPTIMIZER, job_order
 
 __all__ = ["SectionRunner", "phase_of", "split_by_phase", "is_pipeline_main", "is_pipeline_startup", "EXECUTOR_FLAGS"]
@@ -207,7 +207,13 @@ class SectionRunner:
         self._feed(feed or {})
         self._prepare_step(subs[FORWARD], [n for n, owner in computed if owner == self.stage])
         with _flags(EXECUTOR_FLAGS):
-            exe.run([], False)
+            try:
+                exe.run([], False)
+            except Exception as exc:
+                failure = take_failure()  # the p2p error behind the executor's "std::exception"
+                if failure is not None:
+                    raise failure from exc
+                raise
         if self.lower:
             drain_all()  # a step ends when its sends arrived: errors surface in the step that caused them
         values = {n: np.array(scope.find_var(n).get_tensor()) for n in persist}

@@ -71,3 +71,17 @@ def test_negative_control_without_keepalive(schedule):
     assert "no op reads it after" in results[0]["checker"]
     assert results[1]["checker"] == 0  # the last stage sends nothing forward
     _check_numbers(results, 2)
+
+
+def test_a_missing_peer_fails_naming_the_ring():
+    """The last stage stops after one step: stage 0 waits for gradients that never come and must
+    fail within the timeout, naming the ring, instead of hanging."""
+    from paddle_hybrid.testing import LaunchError
+
+    args = ["--stages", 2, "--schedule", "1F1B", "--steps", 3, "--last-stage-steps", 1]
+    with pytest.raises(LaunchError) as caught:
+        launch(os.path.join(HERE, "worker_pipeline.py"), nprocs=2, args=args, timeout=200,
+               env={"PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT": "15"})
+    message = str(caught.value)
+    assert "did not finish" not in message  # failed by itself, not killed by the launcher
+    assert "paddle_hybrid.static_pipeline: ring 21" in message, message[-3000:]

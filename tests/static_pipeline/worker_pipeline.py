@@ -2,7 +2,7 @@
 drive it: stages under device_guard('gpu:N'), a non-iterable DataLoader.from_generator yielding
 micro-batches, exe.run(startup), then one exe.run(main, fetch_list=[loss]) per step.
 
-    worker_pipeline.py --stages S --schedule 1F1B|F-then-B --steps N [--drop-nop]
+    worker_pipeline.py --stages S --schedule 1F1B|F-then-B --steps N [--drop-nop] [--last-stage-steps M]
 
 ``--drop-nop`` removes the send-wait keep-alives (``ph_nop``) from the section program after
 fleet built it: the negative control.  Saves, per rank: stacked losses per step, this stage's
@@ -90,6 +90,8 @@ def main_():
     parser.add_argument("--schedule", default="1F1B")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--drop-nop", action="store_true")
+    parser.add_argument("--last-stage-steps", type=int, default=None,
+                        help="the last stage stops after this many steps (the others then must fail, not hang)")
     args = parser.parse_args()
 
     from paddle.distributed import fleet
@@ -106,7 +108,11 @@ def main_():
         exe.run(startup)
         loader.set_batch_generator(lambda: micro_batches(args.steps), place)
         loader.start()
-        losses = [np.array(exe.run(main, fetch_list=[loss])[0]) for _ in range(args.steps)]
+        stage = main._pipeline_opt["pipeline_stage"]
+        steps = args.steps
+        if args.last_stage_steps is not None and stage == args.stages - 1:
+            steps = args.last_stage_steps
+        losses = [np.array(exe.run(main, fetch_list=[loss])[0]) for _ in range(steps)]
         loader.reset()
         scope = paddle.static.global_scope()
         block = section.global_block()
@@ -116,7 +122,7 @@ def main_():
         except AssertionError as exc:
             checked = f"SendLifetimeError: {exc}"
         op_types = [op.type for op in block.ops]
-    save_result({"stage": main._pipeline_opt["pipeline_stage"], "losses": losses, "params": params,
+    save_result({"stage": stage, "losses": losses, "params": params,
                  "checker": checked, "ph_nops": op_types.count(ops.NOP_OP),
                  "sends": op_types.count("send_v2"), "send_wait_env": os.environ.get("PADDLE_HYBRID_PIPELINE_SEND_WAIT")})
 
