@@ -23,7 +23,9 @@ and this module is it (the device rule gates it in :mod:`paddle_hybrid.static_pi
    so every rank returns the same value.  A persistable variable returns its value after the step.
 
 Data come from the program's own ``read`` op (a non-iterable ``DataLoader.from_generator``), one
-micro-batch per forward job; ``feed`` dicts are refused with that advice.
+micro-batch per forward job, or from ``feed``: each fed array (first dimension
+``accumulate_steps x micro_batch_size``) is cut into the micro-batches, and the forward
+sub-program reads row ``counter`` of it, like the fetch buffers.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ EXECUTOR_FLAGS = {
     "FLAGS_new_executor_serial_run": True,
 }
 _FETCH_SUFFIX = "@PH_PIPELINE_FETCH"
+_FEED_SUFFIX = "@PH_PIPELINE_FEED"
 
 
 def is_pipeline_main(program) -> bool:
@@ -158,6 +161,43 @@ class SectionRunner:
             shape = [self.micro_batch_size if d < 0 else d for d in shape]
         return shape
 
+    def _feeds_of(self, feed) -> dict:
+        """``{name: array [accumulate_steps, micro-batch, ...]}`` of the fed variables this stage's
+        forward reads; every rank may be given the whole feed dict (what a stage does not read is
+        ignored)."""
+        block = self.section.global_block()
+        forward_ops = [op for op in block.ops if phase_of(op) == FORWARD]
+        out = {}
+        for name, value in feed.items():
+            if not any(name in op.input_arg_names for op in forward_ops):
+                continue
+            if any(name in op.output_arg_names for op in block.ops):
+                raise ValueError(f"paddle_hybrid.static_pipeline: {name!r} is fed but the program computes it "
+                                 "(a DataLoader's read op?); feed either through the loader or the feed dict.")
+            array = np.asarray(value, dtype=_np_dtype(block.var(name).dtype))
+            n = self.num_microbatches
+            if array.ndim == 0 or array.shape[0] % n:
+                raise ValueError(f"paddle_hybrid.static_pipeline: fed {name!r} has shape {array.shape}; its first "
+                                 f"dimension must be accumulate_steps ({n}) x micro_batch_size.")
+            out[name] = array.reshape((n, array.shape[0] // n) + array.shape[1:])
+        return out
+
+    def _add_feed_ops(self, forward, feeds) -> None:
+        """Forward sub-program, first: ``var = buffer[counter]`` for each fed var."""
+        block = forward.global_block()
+        role = {"op_role": int(OpRole.Forward)}
+        block.create_var(name=_COUNTER, shape=[1], dtype="int64", persistable=True)
+        for k, (n, array) in enumerate(sorted(feeds.items())):
+            var = block.var(n)
+            buf = block.create_var(name=n + _FEED_SUFFIX, shape=list(array.shape), dtype=var.dtype,
+                                   persistable=True)
+            row = block.create_var(name=n + _FEED_SUFFIX + "@ROW", dtype=var.dtype)
+            xshape = block.create_var(name=n + _FEED_SUFFIX + "@XSHAPE", dtype=var.dtype)
+            block._insert_op(2 * k, type="gather", inputs={"X": [buf], "Index": [_COUNTER]}, outputs={"Out": [row]},
+                             attrs=dict(role, axis=0))
+            block._insert_op(2 * k + 1, type="reshape2", inputs={"X": [row]}, outputs={"Out": [var], "XShape": [xshape]},
+                             attrs=dict(role, shape=list(array.shape[1:])))
+
     def _add_fetch_ops(self, forward, names) -> None:
         """Forward sub-program: ``buffer[counter] = var`` for each fetched var, then ``counter += 1``."""
         block = forward.global_block()
@@ -174,12 +214,14 @@ class SectionRunner:
         block.append_op(type="increment", inputs={"X": [counter]}, outputs={"Out": [counter]},
                         attrs=dict(role, step=1.0))
 
-    def _build(self, scope, local):
+    def _build(self, scope, local, feeds):
         from paddle.distributed.passes.pass_utils import set_skip_gc_vars
 
         program = lower_for_gloo(self.section) if self.lower else self.section.clone()
         subs = split_by_phase(program)
         self._add_fetch_ops(subs[FORWARD], local)
+        with deferred_sync(subs[FORWARD].global_block()):
+            self._add_feed_ops(subs[FORWARD], feeds)
         jobs = []
         for job_type, mb in job_order(self.schedule, self.stage, self.num_stages, self.num_microbatches):
             job = core.Job(job_type)
@@ -196,16 +238,18 @@ class SectionRunner:
     def run(self, scope, feed=None, fetch_names=()):
         """One step; returns the fetched values in ``fetch_names`` order."""
         self._scope = scope
-        key = (id(scope), tuple(fetch_names))
+        feeds = self._feeds_of(feed or {})
+        key = (id(scope), tuple(fetch_names), tuple(sorted((n, a.shape) for n, a in feeds.items())))
         if key not in self._executors:
             computed, persist = self._classify_fetches(fetch_names)
             local = [n for n, owner in computed if owner == self.stage]
             with _flags(EXECUTOR_FLAGS):
-                exe, subs = self._build(scope, local)
+                exe, subs = self._build(scope, local, feeds)
             self._executors[key] = (exe, subs, computed, persist)
         exe, subs, computed, persist = self._executors[key]
-        self._feed(feed or {})
         self._prepare_step(subs[FORWARD], [n for n, owner in computed if owner == self.stage])
+        for n, array in feeds.items():
+            self._set(n + _FEED_SUFFIX, array)
         with _flags(EXECUTOR_FLAGS):
             try:
                 exe.run([], False)
@@ -228,12 +272,6 @@ class SectionRunner:
 
     def _set(self, name, array) -> None:
         self._scope.var(name).get_tensor().set(array, self.place)
-
-    def _feed(self, feed) -> None:
-        if feed:
-            raise NotImplementedError(
-                "paddle_hybrid.static_pipeline: feed dicts are not supported; feed a pipeline program through a "
-                "non-iterable DataLoader.from_generator (one micro-batch per read), as Paddle's pipeline tests do.")
 
     def _share_computed(self, computed) -> dict:
         """Each computed fetch from its owner stage to every rank: one broadcast per fetch, in

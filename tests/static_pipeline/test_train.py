@@ -21,8 +21,9 @@ STEPS = {2: 3, 3: 2}
 
 
 @functools.lru_cache(maxsize=None)
-def run(stages, schedule, send_wait, drop_nop=False):
-    args = ["--stages", stages, "--schedule", schedule, "--steps", STEPS[stages]] + (["--drop-nop"] if drop_nop else [])
+def run(stages, schedule, send_wait, drop_nop=False, feed=False):
+    args = (["--stages", stages, "--schedule", schedule, "--steps", STEPS[stages]] + (["--drop-nop"] if drop_nop else [])
+            + (["--feed"] if feed else []))
     return launch(os.path.join(HERE, "worker_pipeline.py"), nprocs=stages, args=args, timeout=240,
                   env={"PADDLE_HYBRID_PIPELINE_SEND_WAIT": "1" if send_wait else "0",
                        "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT": "60"})
@@ -71,6 +72,13 @@ def test_negative_control_without_keepalive(schedule):
     assert "no op reads it after" in results[0]["checker"]
     assert results[1]["checker"] == 0  # the last stage sends nothing forward
     _check_numbers(results, 2)
+
+
+def test_feed_dicts():
+    """The same training fed by dicts (each a step's 4 micro-batches) instead of a DataLoader."""
+    results = run(2, "1F1B", True, feed=True)
+    _check_numbers(results, 2)
+    assert results[0]["checker"] == 1
 
 
 def test_a_missing_peer_fails_naming_the_ring():

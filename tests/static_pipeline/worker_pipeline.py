@@ -47,15 +47,17 @@ def _tanh(x):
     return out
 
 
-def build(stages, schedule):
+def build(stages, schedule, use_loader=True):
     from paddle.distributed import fleet
 
     main, startup = paddle.static.Program(), paddle.static.Program()
     with paddle.static.program_guard(main, startup):
         x = paddle.static.data("x", [-1, WIDTH], "float32")
         y = paddle.static.data("y", [-1, WIDTH], "float32")
-        loader = paddle.base.io.DataLoader.from_generator(feed_list=[x, y], capacity=16, iterable=False,
-                                                          use_double_buffer=False)
+        loader = None
+        if use_loader:
+            loader = paddle.base.io.DataLoader.from_generator(feed_list=[x, y], capacity=16, iterable=False,
+                                                              use_double_buffer=False)
         h = x
         for s, (w, b) in enumerate(model_params(stages)):
             with paddle.static.device_guard(f"gpu:{s}"):
@@ -92,6 +94,7 @@ def main_():
     parser.add_argument("--drop-nop", action="store_true")
     parser.add_argument("--last-stage-steps", type=int, default=None,
                         help="the last stage stops after this many steps (the others then must fail, not hang)")
+    parser.add_argument("--feed", action="store_true", help="feed dicts (a step's micro-batches) instead of a DataLoader")
     args = parser.parse_args()
 
     from paddle.distributed import fleet
@@ -99,21 +102,29 @@ def main_():
     paddle.enable_static()
     with paddle.pir_utils.OldIrGuard():
         fleet.init(is_collective=True)
-        main, startup, loader, loss = build(args.stages, args.schedule)
+        main, startup, loader, loss = build(args.stages, args.schedule, use_loader=not args.feed)
         section = main._pipeline_opt["section_program"]
         if args.drop_nop:
             drop_keepalives(section)
         place = paddle.CPUPlace()
         exe = paddle.static.Executor(place)
         exe.run(startup)
-        loader.set_batch_generator(lambda: micro_batches(args.steps), place)
-        loader.start()
         stage = main._pipeline_opt["pipeline_stage"]
         steps = args.steps
         if args.last_stage_steps is not None and stage == args.stages - 1:
             steps = args.last_stage_steps
-        losses = [np.array(exe.run(main, fetch_list=[loss])[0]) for _ in range(steps)]
-        loader.reset()
+        if args.feed:
+            data = list(micro_batches(args.steps))
+            losses = []
+            for step in range(steps):
+                batch = data[step * ACCUMULATE:(step + 1) * ACCUMULATE]
+                feed = {"x": np.concatenate([b[0] for b in batch]), "y": np.concatenate([b[1] for b in batch])}
+                losses.append(np.array(exe.run(main, feed=feed, fetch_list=[loss])[0]))
+        else:
+            loader.set_batch_generator(lambda: micro_batches(args.steps), place)
+            loader.start()
+            losses = [np.array(exe.run(main, fetch_list=[loss])[0]) for _ in range(steps)]
+            loader.reset()
         scope = paddle.static.global_scope()
         block = section.global_block()
         params = {p.name: np.array(scope.find_var(p.name).get_tensor()) for p in block.all_parameters()}
