@@ -97,8 +97,13 @@ class PluginConfig:
     (``PADDLE_HYBRID_STATIC_PIPELINE``)."""
 
     static_pipeline_timeout: float = 120.0
-    """Seconds a rank waits for the others when a static pipeline's gloo rings are created, > 0
-    (``PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT``)."""
+    """Seconds a rank waits for the others when the static paths' gloo rings and groups are created
+    or a pipeline message is awaited, > 0 (``PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT``)."""
+
+    auto_parallel_cpu: str = "auto"
+    """Let legacy auto-parallel ``Engine.fit`` run on CPU over gloo
+    (:mod:`paddle_hybrid.auto_parallel_cpu`): ``"auto"`` on a build with no accelerator, ``"on"``,
+    ``"off"`` (``PADDLE_HYBRID_AUTO_PARALLEL_CPU``)."""
 
     pipeline_cudagraph: bool = True
     """``PipelineLayer(use_cudagraph=True)`` builds the plugin's ``CUDAGraphedLayer`` (every
@@ -137,6 +142,9 @@ class PluginConfig:
         if self.static_pipeline not in ("auto", "on", "off"):
             raise ValueError(f"PluginConfig.static_pipeline must be 'auto', 'on' or 'off', got "
                              f"{self.static_pipeline!r} (environment variable PADDLE_HYBRID_STATIC_PIPELINE).")
+        if self.auto_parallel_cpu not in ("auto", "on", "off"):
+            raise ValueError(f"PluginConfig.auto_parallel_cpu must be 'auto', 'on' or 'off', got "
+                             f"{self.auto_parallel_cpu!r} (environment variable PADDLE_HYBRID_AUTO_PARALLEL_CPU).")
         if not isinstance(self.static_pipeline_timeout, (int, float)) or not self.static_pipeline_timeout > 0:
             raise ValueError(f"PluginConfig.static_pipeline_timeout must be a number of seconds > 0, got "
                              f"{self.static_pipeline_timeout!r} (PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT).")
@@ -166,6 +174,7 @@ class PluginConfig:
             static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", _LAYOUT_CHECK_TIMEOUT),
             static_pipeline=(os.environ.get("PADDLE_HYBRID_STATIC_PIPELINE") or "auto").strip().lower(),
             static_pipeline_timeout=_env_float("PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT", 120.0),
+            auto_parallel_cpu=(os.environ.get("PADDLE_HYBRID_AUTO_PARALLEL_CPU") or "auto").strip().lower(),
             pipeline_cudagraph=_env_bool("PADDLE_HYBRID_PIPELINE_CUDAGRAPH", True),
             cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
             cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),

@@ -33,7 +33,7 @@ import threading
 import time
 
 __all__ = ["RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "make_init_process_group", "ring_size",
-           "ring"]
+           "ring", "ring_store"]
 
 _KEY = "paddle_hybrid/static_ring/{call}/{ring}"
 _GROUP_ID_BASE = 1 << 20  # process-group ids of the rings, clear of paddle.distributed's own
@@ -87,7 +87,10 @@ def _global_store():
 
     from ..fused_allreduce.runner import ensure_process_group
 
-    ensure_process_group()  # creates the job's TCP store (and the default gloo group) once
+    from paddle.distributed import collective
+
+    if 0 not in collective._group_map:  # else the default group made the job's TCP store already
+        ensure_process_group()  # creates the job's TCP store (and the default gloo group) once
     return core.create_or_get_global_tcp_store()
 
 
@@ -104,8 +107,9 @@ def _wait_for(store, key: str, timeout: float, info: RingInfo) -> str:
     return store.get(key).decode()
 
 
-def _ring_store(info: RingInfo, call: int, timeout: float):
-    """The ring's private TCPStore, hosted by ring rank 0 (Phases: publish or look up, connect)."""
+def ring_store(info: RingInfo, call, timeout: float):
+    """The ring's private TCPStore, hosted by ring rank 0 (phases: publish or look up, connect);
+    ``call`` names this creation alike on every rank.  Kept for the life of the process."""
     from paddle.base import core
 
     from ..cpu.groups import reserved_port
@@ -121,6 +125,7 @@ def _ring_store(info: RingInfo, call: int, timeout: float):
     else:
         host, port = _wait_for(store, key, timeout, info).rsplit(":", 1)
         private = core.TCPStore(host, int(port), False, info.nranks, int(timeout))
+    _stores.append(private)
     return private
 
 
@@ -137,14 +142,13 @@ def create_ring(info: RingInfo, call: int, timeout: float) -> None:
                 "group per ring id: build one pipeline program per process.")
         return  # the same ring again (a second program in this process): reuse it
     try:
-        store = _ring_store(info, call, timeout)
+        store = ring_store(info, call, timeout)
         info.group = core.ProcessGroupGloo.create(store, info.rank, info.nranks, _GROUP_ID_BASE + info.ring_id)
     except RingTimeoutError:
         raise
     except Exception as exc:  # the store and gloo raise generic errors: say which ring
         raise RingTimeoutError(f"paddle_hybrid.static_pipeline: creating the gloo group of {info.describe()} "
                                f"failed: {exc}") from exc
-    _stores.append(store)
     rings[info.ring_id] = info
 
 
