@@ -46,6 +46,8 @@ COMPONENTS: list[str] = [
     "paddle_hybrid.reshard",
     "paddle_hybrid.cpu",
     "paddle_hybrid.fleet_fixes",
+    "paddle_hybrid.static_pipeline",
+    "paddle_hybrid.auto_parallel_cpu",
     "paddle_hybrid.grad_buckets",
     "paddle_hybrid.cuda_graph.pipeline",
     "paddle_hybrid.timeline",

@@ -101,6 +101,21 @@ class PluginConfig:
     """Seconds the cross-rank gradient-layout check of a static data-parallel program waits for
     the other ranks before raising, > 0 (``PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT``)."""
 
+    static_pipeline: str = "auto"
+    """Run fleet's legacy static pipeline (``strategy.pipeline``) with micro-batches in ``exe.run``
+    (:mod:`paddle_hybrid.static_pipeline`): ``"auto"`` on a build with no accelerator (CPU over
+    gloo), ``"on"`` also on an accelerator build (never run there), ``"off"`` never
+    (``PADDLE_HYBRID_STATIC_PIPELINE``)."""
+
+    static_pipeline_timeout: float = 120.0
+    """Seconds a rank waits for the others when the static paths' gloo rings and groups are created
+    or a pipeline message is awaited, > 0 (``PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT``)."""
+
+    auto_parallel_cpu: str = "auto"
+    """Let legacy auto-parallel ``Engine.fit`` run on CPU over gloo
+    (:mod:`paddle_hybrid.auto_parallel_cpu`): ``"auto"`` on a build with no accelerator, ``"on"``,
+    ``"off"`` (``PADDLE_HYBRID_AUTO_PARALLEL_CPU``)."""
+
     pipeline_cudagraph: bool | None = None
     """``PipelineLayer(use_cudagraph=True)`` builds the plugin's ``CUDAGraphedLayer`` (every
     parameter trained, one shared memory pool per model) instead of Paddle's
@@ -145,6 +160,15 @@ class PluginConfig:
         if self.cpu_hybrid not in ("auto", "on", "off"):
             raise ValueError(f"PluginConfig.cpu_hybrid must be 'auto', 'on' or 'off', got {self.cpu_hybrid!r} "
                              "(environment variable PADDLE_HYBRID_CPU_HYBRID).")
+        if self.static_pipeline not in ("auto", "on", "off"):
+            raise ValueError(f"PluginConfig.static_pipeline must be 'auto', 'on' or 'off', got "
+                             f"{self.static_pipeline!r} (environment variable PADDLE_HYBRID_STATIC_PIPELINE).")
+        if self.auto_parallel_cpu not in ("auto", "on", "off"):
+            raise ValueError(f"PluginConfig.auto_parallel_cpu must be 'auto', 'on' or 'off', got "
+                             f"{self.auto_parallel_cpu!r} (environment variable PADDLE_HYBRID_AUTO_PARALLEL_CPU).")
+        if not isinstance(self.static_pipeline_timeout, (int, float)) or not self.static_pipeline_timeout > 0:
+            raise ValueError(f"PluginConfig.static_pipeline_timeout must be a number of seconds > 0, got "
+                             f"{self.static_pipeline_timeout!r} (PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT).")
         if (not isinstance(self.grad_bucket_max_params, int) or isinstance(self.grad_bucket_max_params, bool)
                 or self.grad_bucket_max_params < 0):
             raise ValueError("PluginConfig.grad_bucket_max_params must be an int >= 0 (0: no limit), got "
@@ -169,6 +193,9 @@ class PluginConfig:
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
             static_fuse_allreduce=_env_tristate("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE"),
             static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", _LAYOUT_CHECK_TIMEOUT),
+            static_pipeline=(os.environ.get("PADDLE_HYBRID_STATIC_PIPELINE") or "auto").strip().lower(),
+            static_pipeline_timeout=_env_float("PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT", 120.0),
+            auto_parallel_cpu=(os.environ.get("PADDLE_HYBRID_AUTO_PARALLEL_CPU") or "auto").strip().lower(),
             pipeline_cudagraph=_env_tristate("PADDLE_HYBRID_PIPELINE_CUDAGRAPH"),
             cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
             allow_unrun=_env_bool("PADDLE_HYBRID_ALLOW_UNRUN", False),
