@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args: argparse.Namespace, world_size: int | None = None, cpu: bool = False) -> argparse.Namespace:
+def validate(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check the arguments against each other (and the world size, and whether the run is
     on CPU); raise :class:`ArgError` naming the flag to change."""
     if args.kv_heads is None:
@@ -120,10 +120,6 @@ def validate(args: argparse.Namespace, world_size: int | None = None, cpu: bool 
         raise ArgError("--mp-async-allreduce / --mp-skip-c-identity configure tensor parallel; they need --mp > 1.")
     if args.mp_skip_c_identity and not args.mp_async_allreduce:
         raise ArgError("--mp-skip-c-identity only acts with --mp-async-allreduce (as in the Trainer); add it.")
-    if cpu and args.mp_async_allreduce and not args.mp_skip_c_identity:
-        raise ArgError("--mp-async-allreduce on CPU needs --mp-skip-c-identity: fleet's overlapped column-parallel "
-                       "linear calls the c_identity op itself, and c_identity has no CPU kernel (its backward "
-                       "allreduce is done by the overlapped linear anyway).")
     procs = args.pp * args.mp * args.dp * args.sharding
     if world_size is not None and procs != world_size:
         raise ArgError(
@@ -352,7 +348,7 @@ def main(argv=None) -> dict:
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
     import paddle
 
-    validate(args, world, cpu=not paddle.is_compiled_with_cuda())
+    validate(args, world)
     import_paddleformers()  # fail before fleet starts if it is missing
 
     import paddle.distributed as dist

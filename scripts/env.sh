@@ -89,6 +89,17 @@ if [ -n "$missing" ]; then
   pip_q $missing
 fi
 
+# PaddleFormers for tests/paddleformers (examples/paddleformers_llama.py), pinned. 1.2.0 needs
+# Paddle >= 3.3 (it imports paddle.nn.functional.swiglu). --no-deps: its requirements would
+# downgrade numpy to 1.26.4 and pull datasets/librosa/modelscope/..., which the model and
+# TrainingArguments never import; what they do import is listed here, pinned.
+if "$PY" -c 'import sys, paddle; v = tuple(int(x) for x in paddle.__version__.split(".")[:2]); sys.exit(not (v >= (3, 3) or v == (0, 0)))' 2>/dev/null \
+   && ! "$PY" -c 'import sys, importlib.metadata as m; sys.exit(m.version("paddleformers") != "1.2.0")' 2>/dev/null; then
+  log "installing paddleformers==1.2.0 (tests/paddleformers)"
+  pip_q --no-deps paddleformers==1.2.0 transformers==5.3.0 huggingface_hub==1.33.0 aistudio-sdk==0.3.9 omegaconf==2.4.0
+  pip_q colorlog==6.12.0 tqdm==4.70.1 filelock==4.2.12 psutil==7.2.2 ml_dtypes==0.5.4 regex pyyaml requests six
+fi
+
 # The library is one file shared by every venv that uses this tree; the stamp
 # says which Paddle it was built against (written after each build here).
 LIB="$ROOT/paddle_hybrid/_custom_ops.so"

@@ -110,16 +110,16 @@ def test_example_names_the_install_when_the_import_fails(example, monkeypatch):
     (["--pp", "1", "--heads", "4", "--kv-heads", "3"], 1, "--kv-heads"),
     (["--pp", "1", "--mp-async-allreduce"], 1, "need --mp > 1"),
     (["--pp", "1", "--mp", "2", "--mp-skip-c-identity"], 2, "add it"),
-    (["--pp", "1", "--mp", "2", "--mp-async-allreduce"], 2, "on CPU needs --mp-skip-c-identity"),
 ])
 def test_inconsistent_flags_are_refused(example, argv, world, message):
     with pytest.raises(example.ArgError, match=message):
-        example.validate(example.build_parser().parse_args(argv), world, cpu=True)
+        example.validate(example.build_parser().parse_args(argv), world)
 
 
-def test_async_allreduce_without_skip_is_for_accelerators(example):
-    args = example.validate(example.build_parser().parse_args(["--pp", "1", "--mp", "2", "--mp-async-allreduce"]), 2,
-                            cpu=False)
+def test_async_allreduce_is_accepted_alone(example):
+    # The CPU support runs fleet's overlapped linear without the c_identity kernel, so the
+    # Trainer's mp_async_allreduce needs no mp_skip_c_identity on CPU either.
+    args = example.validate(example.build_parser().parse_args(["--pp", "1", "--mp", "2", "--mp-async-allreduce"]), 2)
     assert example.make_strategy(args).hybrid_configs["mp_configs"].mp_async_allreduce
 
 
@@ -175,7 +175,7 @@ def assert_like_one_process(results, one, flags):
 
 def test_layouts_train_like_one_process(paddleformers_version):
     """PP2 (LlamaForCausalLMPipe), TP2 + sequence parallel (LlamaForCausalLM), TP2 with the
-    Trainer's mp_async_allreduce + mp_skip_c_identity, and PP2 x TP2 + sequence parallel +
+    Trainer's mp_async_allreduce (with and without mp_skip_c_identity), and PP2 x TP2 + sequence parallel +
     recompute: same weights, same data, the one-process
     losses (rtol 1e-5) and final weights (atol 2e-5) on every rank."""
     one = _run(1, "--pp", "1")[0]
@@ -183,6 +183,7 @@ def test_layouts_train_like_one_process(paddleformers_version):
     forwards = one["attention_calls"] // 2  # per pipeline stage of 1 of the 2 layers
     for nprocs, flags in ((2, ["--pp", "2"]),
                           (2, ["--pp", "1", "--mp", "2", "--sequence-parallel"]),
+                          (2, ["--pp", "1", "--mp", "2", "--mp-async-allreduce"]),
                           (2, ["--pp", "1", "--mp", "2", "--mp-async-allreduce", "--mp-skip-c-identity"]),
                           (4, ["--pp", "2", "--mp", "2", "--sequence-parallel", "--recompute"])):
         results = _run(nprocs, *flags)

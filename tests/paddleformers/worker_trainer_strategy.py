@@ -51,7 +51,7 @@ def main():
 
     paddle.set_device("cpu")
     args = example.validate(example.build_parser().parse_args(sys.argv[1:]),
-                            int(os.environ["PADDLE_TRAINERS_NUM"]), cpu=True)
+                            int(os.environ["PADDLE_TRAINERS_NUM"]))
     with tempfile.TemporaryDirectory() as out:
         training_arguments(args, out)  # calls fleet.init with the Trainer's strategy
     trainer = fields(fleet.fleet._user_defined_strategy)
