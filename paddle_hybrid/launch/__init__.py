@@ -20,7 +20,10 @@ Also, before Paddle's launcher starts:
 * ``OMP_NUM_THREADS`` = usable cores // processes per node (at least 1), unless the user set
   it: ``import paddle`` sets it to 1 when unset, so under Paddle's launcher every worker of a
   machine with more cores than workers uses one core for its kernels.  Whether the user set it
-  is read before Paddle is imported (:mod:`paddle_hybrid._env_at_start`).
+  is read before Paddle is imported (:mod:`paddle_hybrid._env_at_start`);
+* ``MKL_DEBUG_CPU_TYPE=5`` when :mod:`paddle_hybrid.cpu_blas` decides so for this machine (an
+  AMD CPU and a Paddle MKL that honours it) and the user has not set it: in the worker's
+  environment from its start, it works even if the script runs a matmul before any import.
 
 A training "script" that is not a ``.py`` file is run by Paddle's launcher as a program, as
 it would be anyway; the plugin cannot be put into it, and a warning says so.  Paddle's
@@ -107,6 +110,10 @@ def launch_environment(args, environ) -> dict[str, str]:
     out = {}
     if "OMP_NUM_THREADS" not in environ:
         out["OMP_NUM_THREADS"] = str(omp_threads(usable_cores(), processes_per_node(args, environ)))
+    from ..cpu_blas import worker_environment
+
+    for key, value in worker_environment(environ).items():
+        out.setdefault(key, value)
     return out
 
 

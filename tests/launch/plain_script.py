@@ -63,7 +63,11 @@ def main() -> None:
     parser.add_argument("--exit-code", type=int, default=0, help="0: raise an exception instead")
     args = parser.parse_args()
     result = {"plugin_before_first_line": PLUGIN_BEFORE_FIRST_LINE, "name": __name__, "argv": sys.argv,
-              "path0": sys.path[0], "omp": os.environ.get("OMP_NUM_THREADS"), "file": __file__}
+              "path0": sys.path[0], "omp": os.environ.get("OMP_NUM_THREADS"), "file": __file__,
+              "mkl_env": os.environ.get("MKL_DEBUG_CPU_TYPE")}
+    if PLUGIN_BEFORE_FIRST_LINE:  # what the plugin's cpu_blas component saw at its start
+        state = sys.modules["paddle_hybrid"]._install.component_state("cpu_blas")
+        result["cpu_blas"] = [state.status, state.reason]
     if args.mode == "fail" and _rank() == args.fail_rank:
         if args.exit_code:
             sys.exit(args.exit_code)

@@ -153,3 +153,25 @@ def test_omp_num_threads_default_is_cores_over_processes(tmp_path):
                                         env={"OMP_NUM_THREADS": None})
     assert code == 0, _logs(log_dir)
     assert results[0]["omp"] == str(ph_launch.usable_cores())
+
+
+def test_workers_get_the_cpu_blas_setting_from_their_start(tmp_path):
+    from paddle_hybrid import cpu_blas
+    from paddle_hybrid.cpu_blas import machine
+
+    env = {k: v for k, v in os.environ.items() if k != cpu_blas.VARIABLE}
+    expected = cpu_blas.decide(machine.gather(env)).set_value
+    code, results, log_dir, _ = _launch(tmp_path, "paddle_hybrid.launch", 2, "--mode", "env",
+                                        env={"OMP_NUM_THREADS": "1", cpu_blas.VARIABLE: None})
+    assert code == 0, _logs(log_dir)
+    for r in results.values():
+        assert r["mkl_env"] == expected
+        if expected:  # set by the launcher, so the worker's plugin found it already there
+            assert r["cpu_blas"][0] == "off" and "was set before the plugin" in r["cpu_blas"][1]
+
+
+def test_user_cpu_blas_value_reaches_the_workers_unchanged(tmp_path):
+    code, results, log_dir, _ = _launch(tmp_path, "paddle_hybrid.launch", 1, "--mode", "env",
+                                        env={"OMP_NUM_THREADS": "1", "MKL_DEBUG_CPU_TYPE": "2"})
+    assert code == 0, _logs(log_dir)
+    assert results[0]["mkl_env"] == "2"
