@@ -111,7 +111,17 @@ def rows_timeline(d):
                  "--timeline", 1000 * rec, "ms", base / rec, "overhead <= 3%", d["met"])]
 
 
+def rows_cpu_blas(d):
+    r = d["rows"]
+    return [_row("CPU BLAS (AMD, MKL 2019)", "paddle.matmul GFLOP/s (CPU time), 1 thread", "avx2 reference",
+                 r["avx2 reference"]["gflops_cpu"]["median"], "plugin", r["plugin"]["gflops_cpu"]["median"], "GFLOP/s",
+                 d["plugin_over_avx2"], f">= {d['target']} of AVX2", d["met"]),
+            _row("CPU BLAS (AMD, MKL 2019)", "same, against stock", "stock", r["stock"]["gflops_cpu"]["median"],
+                 "plugin", r["plugin"]["gflops_cpu"]["median"], "GFLOP/s", d["plugin_over_stock"], "-", None)]
+
+
 BENCHES = {
+    "cpu_blas": ("bench_cpu_blas.py", [], ["--rounds", "2"], "cpu_blas.json", rows_cpu_blas),
     "reshard": ("bench_reshard.py", [], ["--layers", "24"], "reshard.json", rows_reshard),
     "pipeline_rewrite": ("bench_pipeline_rewrite.py", [], ["--branches", "128"], "pipeline_rewrite.json",
                          rows_pipeline_rewrite),
