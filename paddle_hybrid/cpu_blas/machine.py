@@ -79,10 +79,23 @@ class _MKLVersion(ctypes.Structure):
                 ("processor", ctypes.c_char_p), ("platform", ctypes.c_char_p)]
 
 
+def _load(path: str) -> ctypes.CDLL:
+    """The library, as Paddle would get it.  It needs ``libiomp5.so``, which ``import paddle``
+    has loaded (libpaddle links it); without Paddle imported, load the copy beside it first."""
+    try:
+        return ctypes.CDLL(path)
+    except OSError:
+        iomp = os.path.join(os.path.dirname(path), "libiomp5.so")
+        if not os.path.exists(iomp):
+            raise
+        ctypes.CDLL(iomp, mode=ctypes.RTLD_GLOBAL)
+        return ctypes.CDLL(path)
+
+
 def mkl_version(path: str) -> tuple[tuple | None, str]:
     """``((major, minor, update) or None, note)`` from ``MKL_Get_Version`` of the library."""
     try:
-        lib = ctypes.CDLL(path)
+        lib = _load(path)
         get = lib.MKL_Get_Version
     except (OSError, AttributeError) as exc:
         return None, f"{path}: {exc}"
@@ -99,7 +112,7 @@ def mkl_cpu_type(path: str) -> int | None:
     variable changed.  So after setting the variable, a type other than the one set means MKL
     had already chosen: a BLAS call ran first."""
     try:
-        detect = ctypes.CDLL(path).mkl_serv_cpu_detect
+        detect = _load(path).mkl_serv_cpu_detect
     except (OSError, AttributeError):
         return None
     detect.restype = ctypes.c_int
