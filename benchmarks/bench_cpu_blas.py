@@ -12,9 +12,10 @@ Per process: ``paddle.matmul`` (M x K) @ (K x N) fp32, GFLOP/s of the best of ``
 timed by the thread's CPU time (what a core delivers, insensitive to other processes taking the
 core) and by the wall clock.  Writes benchmarks/results/cpu_blas.json.
 
-With ``--example``: also examples/gpt_pp.py (its default GPT, ``--example-steps`` steps) PP1 on
-1 process and PP2 on 2 processes, with the component (default) and without
-(``PADDLE_HYBRID_CPU_BLAS=0``), alternated; tokens/s from the median step after 2 warm-up steps.
+With ``--example``: also examples/gpt_pp.py's default GPT (its model and step, ``--example-steps``
+steps) PP1 on 1 process and PP2 on 2 processes, with the component (default) and without
+(``PADDLE_HYBRID_CPU_BLAS=0``), alternated; median step after 2 warm-up steps: tokens/s by the
+wall clock and CPU seconds per step over all ranks (the part a busy machine does not blur).
 
     python benchmarks/bench_cpu_blas.py                  # 1024x512 @ 512x2048, 5 rounds
     python benchmarks/bench_cpu_blas.py --rounds 3 --m 512
@@ -79,19 +80,61 @@ EXAMPLE_RUNS = [("PP1, without", 1, {"PADDLE_HYBRID_CPU_BLAS": "0"}), ("PP1, wit
                 ("PP2, without", 2, {"PADDLE_HYBRID_CPU_BLAS": "0"}), ("PP2, with", 2, {})]
 
 
+def example_worker(argv) -> None:
+    """A launched rank: examples/gpt_pp.py's model and step (its own code), each step timed by
+    the wall clock and by this process's CPU time; also what MKL dispatches on here."""
+    import importlib.util
+
+    import paddle
+    import paddle.distributed as dist
+    from paddle.distributed import fleet
+
+    import paddle_hybrid  # before the first BLAS call (the component decides)
+    from paddle_hybrid.cpu_blas import machine
+    from paddle_hybrid.testing import save_result
+
+    spec = importlib.util.spec_from_file_location("gpt_pp_example", os.path.join(ROOT, "examples", "gpt_pp.py"))
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    args = gpt.validate(gpt.build_parser().parse_args(argv), int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
+    paddle.set_device("cpu")
+    paddle.seed(args.seed)
+    fleet.init(is_collective=True, strategy=gpt.make_strategy(args))
+    hcg = fleet.get_hybrid_communicate_group()
+    data = gpt.CharData(gpt.make_corpus(args.corpus_chars, args.seed), args.seq_len, args.seed)
+    model, loss_fn = gpt.build_model(args, data.vocab_size, hcg.topology(), hcg)
+    sched = paddle.optimizer.lr.LambdaDecay(args.lr, lambda step: 1.0)
+    opt = fleet.distributed_optimizer(paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters()))
+    model = fleet.distributed_model(model)
+    batch = args.micro_batch_size * args.accumulate_steps
+    steps = []
+    for step in range(args.steps):
+        x, y = data.global_batch(step, batch)
+        w0, c0 = time.perf_counter(), time.process_time()
+        loss = gpt.train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
+        steps.append({"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0})
+    path, _ = machine.mkl_path(os.environ)
+    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": batch * args.seq_len,
+                 "loss": float(loss.reshape([-1])[0]), "variable": os.environ.get(VARIABLE),
+                 "mkl_cpu_type": machine.mkl_cpu_type(path) if path else None})
+
+
 def run_example(nprocs: int, env_add: dict, steps: int, timeout: float) -> dict:
-    """examples/gpt_pp.py on ``nprocs`` processes (PP = nprocs): tokens/s of the median step."""
+    """gpt_pp.py's default GPT, PP = ``nprocs``: tokens/s of the median step (wall clock, a step
+    lasting as long as its slowest rank) and CPU seconds per step summed over the ranks."""
     from paddle_hybrid.testing import launch
 
     os.environ.pop(VARIABLE, None)  # this process's plugin set it; the runs decide for themselves
-    res = launch(os.path.join(ROOT, "examples", "gpt_pp.py"), nprocs=nprocs, timeout=timeout,
-                 args=["--pp", str(nprocs), "--steps", str(steps), "--out-dir", os.path.join(RESULTS, "gpt_pp_blas")],
+    res = launch(os.path.abspath(__file__), nprocs=nprocs, timeout=timeout,
+                 args=["--example-worker", "--pp", str(nprocs), "--steps", str(steps)],
                  env={"OMP_NUM_THREADS": "1", **env_add})
-    summary = res[0]["summary"]
-    times = summary["step_times"][2:] or summary["step_times"]
-    tokens_per_step = summary["tokens_per_s"] * sum(summary["step_times"][1:]) / len(summary["step_times"][1:])
-    return {"tokens_per_s": tokens_per_step / statistics.median(times), "median_step_s": statistics.median(times),
-            "final_loss": summary["final_loss"]}
+    warm = 2
+    n = len(res[0]["steps"])
+    wall = [max(r["steps"][i]["wall"] for r in res) for i in range(warm, n)]
+    cpu = [sum(r["steps"][i]["cpu"] for r in res) for i in range(warm, n)]
+    return {"tokens_per_s": res[0]["tokens_per_step"] / statistics.median(wall),
+            "cpu_s_per_step": statistics.median(cpu), "final_loss": res[-1]["loss"],
+            "variable": sorted({str(r["variable"]) for r in res}), "mkl_cpu_type": sorted({r["mkl_cpu_type"] for r in res})}
 
 
 def example_table(rounds: int, steps: int, timeout: float) -> dict:
@@ -100,13 +143,19 @@ def example_table(rounds: int, steps: int, timeout: float) -> dict:
         for label, nprocs, env_add in EXAMPLE_RUNS:
             runs[label].append(run_example(nprocs, env_add, steps, timeout))
     rows = {label: {"tokens_per_s": summarize([r["tokens_per_s"] for r in rs]),
-                    "final_loss": [r["final_loss"] for r in rs]} for label, rs in runs.items()}
-    print(f"examples/gpt_pp.py defaults, {steps} steps, OMP_NUM_THREADS=1, {rounds} alternated round(s); tokens/s "
-          "(wall clock, median step after 2 warm-up steps)")
+                    "cpu_s_per_step": summarize([r["cpu_s_per_step"] for r in rs]),
+                    "final_loss": [r["final_loss"] for r in rs], "variable": rs[0]["variable"],
+                    "mkl_cpu_type": rs[0]["mkl_cpu_type"]} for label, rs in runs.items()}
+    print(f"examples/gpt_pp.py defaults, {steps} steps, OMP_NUM_THREADS=1, {rounds} alternated round(s); median step "
+          "after 2 warm-up steps: tokens/s (wall clock) and CPU s per step (all ranks)")
     for layout in ("PP1", "PP2"):
-        off, on = rows[f"{layout}, without"]["tokens_per_s"], rows[f"{layout}, with"]["tokens_per_s"]
-        print(f"{layout}: without {off['median']:7.0f} [{off['min']:.0f}-{off['max']:.0f}]   with "
-              f"{on['median']:7.0f} [{on['min']:.0f}-{on['max']:.0f}]   with/without {on['median'] / off['median']:.2f}x")
+        off, on = rows[f"{layout}, without"], rows[f"{layout}, with"]
+        t0, t1, c0, c1 = off["tokens_per_s"], on["tokens_per_s"], off["cpu_s_per_step"], on["cpu_s_per_step"]
+        print(f"{layout}: tokens/s without {t0['median']:6.0f} [{t0['min']:.0f}-{t0['max']:.0f}] with {t1['median']:6.0f} "
+              f"[{t1['min']:.0f}-{t1['max']:.0f}] ({t1['median'] / t0['median']:.2f}x); CPU s/step without "
+              f"{c0['median']:.3f} [{c0['min']:.3f}-{c0['max']:.3f}] with {c1['median']:.3f} [{c1['min']:.3f}-"
+              f"{c1['max']:.3f}] ({c0['median'] / c1['median']:.2f}x); MKL CPU type without {off['mkl_cpu_type']} "
+              f"with {on['mkl_cpu_type']}")
     return rows
 
 
@@ -136,6 +185,8 @@ def main():
     ap.add_argument("--example-steps", type=int, default=8)
     ap.add_argument("--example-rounds", type=int, default=2)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    if sys.argv[1:2] == ["--example-worker"]:  # a launched rank: the rest are gpt_pp.py's flags
+        return example_worker(sys.argv[2:])
     args = ap.parse_args()
     if args.child is not None:
         print(json.dumps(child(bool(args.child), args.m, args.k, args.n, args.reps)))
