@@ -173,3 +173,29 @@ def test_this_machine_blas_call_before_the_import():
         assert len(got["warnings"]) == 1 and "python -m paddle_hybrid.launch" in got["warnings"][0]
     else:
         assert got["status"] == "off" and got["reason"] == decision.reason and not got["warnings"], got
+
+
+def test_mkl_loads_its_libiomp5_first_when_paddle_has_not(monkeypatch, tmp_path):
+    (tmp_path / "libiomp5.so").write_bytes(b"")
+    calls = []
+
+    def fake_cdll(path, mode=0):
+        calls.append(os.path.basename(path))
+        if calls == ["libmklml_intel.so"]:
+            raise OSError("libiomp5.so: cannot open shared object file: No such file or directory")
+        return object()
+
+    monkeypatch.setattr(machine.ctypes, "CDLL", fake_cdll)
+    machine._load(str(tmp_path / "libmklml_intel.so"))
+    assert calls == ["libmklml_intel.so", "libiomp5.so", "libmklml_intel.so"]
+
+
+def test_read_cpu_from_a_cpuinfo_file(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
+                    "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
+    assert machine.read_cpu(str(info)) == ("AuthenticAMD", str(info), True)
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx\n")
+    assert machine.read_cpu(str(info))[0::2] == ("GenuineIntel", False)
+    vendor, note, _ = machine.read_cpu(str(tmp_path / "missing"))
+    assert vendor is None and "no " in note
