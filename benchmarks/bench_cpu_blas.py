@@ -80,53 +80,14 @@ EXAMPLE_RUNS = [("PP1, without", 1, {"PADDLE_HYBRID_CPU_BLAS": "0"}), ("PP1, wit
                 ("PP2, without", 2, {"PADDLE_HYBRID_CPU_BLAS": "0"}), ("PP2, with", 2, {})]
 
 
-def example_worker(argv) -> None:
-    """A launched rank: examples/gpt_pp.py's model and step (its own code), each step timed by
-    the wall clock and by this process's CPU time; also what MKL dispatches on here."""
-    import importlib.util
-
-    import paddle
-    import paddle.distributed as dist
-    from paddle.distributed import fleet
-
-    import paddle_hybrid  # before the first BLAS call (the component decides)
-    from paddle_hybrid.cpu_blas import machine
-    from paddle_hybrid.testing import save_result
-
-    spec = importlib.util.spec_from_file_location("gpt_pp_example", os.path.join(ROOT, "examples", "gpt_pp.py"))
-    gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpt)
-    args = gpt.validate(gpt.build_parser().parse_args(argv), int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
-    paddle.set_device("cpu")
-    paddle.seed(args.seed)
-    fleet.init(is_collective=True, strategy=gpt.make_strategy(args))
-    hcg = fleet.get_hybrid_communicate_group()
-    data = gpt.CharData(gpt.make_corpus(args.corpus_chars, args.seed), args.seq_len, args.seed)
-    model, loss_fn = gpt.build_model(args, data.vocab_size, hcg.topology(), hcg)
-    sched = paddle.optimizer.lr.LambdaDecay(args.lr, lambda step: 1.0)
-    opt = fleet.distributed_optimizer(paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters()))
-    model = fleet.distributed_model(model)
-    batch = args.micro_batch_size * args.accumulate_steps
-    steps = []
-    for step in range(args.steps):
-        x, y = data.global_batch(step, batch)
-        w0, c0 = time.perf_counter(), time.process_time()
-        loss = gpt.train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
-        steps.append({"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0})
-    path, _ = machine.mkl_path(os.environ)
-    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": batch * args.seq_len,
-                 "loss": float(loss.reshape([-1])[0]), "variable": os.environ.get(VARIABLE),
-                 "mkl_cpu_type": machine.mkl_cpu_type(path) if path else None})
-
-
 def run_example(nprocs: int, env_add: dict, steps: int, timeout: float) -> dict:
     """gpt_pp.py's default GPT, PP = ``nprocs``: tokens/s of the median step (wall clock, a step
     lasting as long as its slowest rank) and CPU seconds per step summed over the ranks."""
     from paddle_hybrid.testing import launch
 
     os.environ.pop(VARIABLE, None)  # this process's plugin set it; the runs decide for themselves
-    res = launch(os.path.abspath(__file__), nprocs=nprocs, timeout=timeout,
-                 args=["--example-worker", "--pp", str(nprocs), "--steps", str(steps)],
+    res = launch(os.path.join(HERE, "gpt_worker.py"), nprocs=nprocs, timeout=timeout,
+                 args=["--pp", str(nprocs), "--steps", str(steps)],
                  env={"OMP_NUM_THREADS": "1", **env_add})
     warm = 2
     n = len(res[0]["steps"])
@@ -185,8 +146,6 @@ def main():
     ap.add_argument("--example-steps", type=int, default=8)
     ap.add_argument("--example-rounds", type=int, default=2)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    if sys.argv[1:2] == ["--example-worker"]:  # a launched rank: the rest are gpt_pp.py's flags
-        return example_worker(sys.argv[2:])
     args = ap.parse_args()
     if args.child is not None:
         print(json.dumps(child(bool(args.child), args.m, args.k, args.n, args.reps)))

@@ -14,7 +14,10 @@ each, rounds alternated so drift of a shared machine hits every row.
 Both: AdamW, global-norm clipping at 1.0, attention written as matmul + causal mask + softmax,
 the same generated corpus.  Per run: tokens/s of the median step after 2 warm-up steps (a step
 lasts as long as its slowest rank).  PP also shows the ratio of the measured PP2 speed-up to the
-bubble-limited ideal 2 * (1 - 1/(m + 1)) for m microbatches.  A row PyTorch cannot run on
+bubble-limited ideal 2 * (1 - 1/(m + 1)) for m microbatches, and tokens per CPU-second (all ranks'
+CPU time, waits excluded: how much work each framework spends per token, which a shared machine
+blurs far less than the wall clock).  Paddle runs through benchmarks/gpt_worker.py (the example's
+model and step).  A row PyTorch cannot run on
 CPU/gloo stays in the table with the error.  Writes benchmarks/results/vs_pytorch.json.
 
     python benchmarks/bench_vs_pytorch.py                   # 2 rounds, 8 steps per run
@@ -66,12 +69,17 @@ def shape_flags(shape: dict) -> list:
 def run_paddle(shape: dict, nprocs: int, flags: list, steps: int, timeout: float) -> dict:
     from paddle_hybrid.testing import launch
 
-    args = shape_flags(shape) + flags + ["--steps", str(steps), "--corpus-chars", str(CORPUS_CHARS),
-                                         "--out-dir", os.path.join(RESULTS, "vs_pytorch_paddle")]
-    res = launch(EXAMPLE, nprocs=nprocs, args=args, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
-    per_rank = [r["summary"]["step_times"][WARM:] for r in res]
-    times = [max(rank[i] for rank in per_rank) for i in range(min(map(len, per_rank)))]
-    return {"step_s": times, "loss": res[0]["losses"][-1]}
+    args = shape_flags(shape) + flags + ["--steps", str(steps), "--corpus-chars", str(CORPUS_CHARS)]
+    res = launch(os.path.join(HERE, "gpt_worker.py"), nprocs=nprocs, args=args, timeout=timeout,
+                 env={"OMP_NUM_THREADS": "1"})
+    return per_step([r["steps"][WARM:] for r in res], res[-1]["loss"])
+
+
+def per_step(per_rank: list, loss) -> dict:
+    """A step lasts as long as its slowest rank and costs the CPU time of all ranks."""
+    n = min(map(len, per_rank))
+    return {"step_s": [max(rank[i]["wall"] for rank in per_rank) for i in range(n)],
+            "cpu_s": [sum(rank[i]["cpu"] for rank in per_rank) for i in range(n)], "loss": loss}
 
 
 # --------------------------------------------------------------------------- PyTorch
@@ -198,7 +206,7 @@ def torch_worker(argv):
         x, y = (torch.from_numpy(a) for a in data.global_batch(step, micro * acc))
         if world > 1:
             dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         if layout.startswith("PP"):
             losses = []
@@ -220,8 +228,8 @@ def torch_worker(argv):
             last_loss = total
         clip_grad_norm(list(model.parameters()), 1.0, dist.group.WORLD if layout.startswith("PP") else None)
         opt.step()
-        times.append(time.perf_counter() - t0)
-    return {"rank": rank, "step_s": times[WARM:], "loss": last_loss}
+        times.append({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0})
+    return {"rank": rank, "steps": times[WARM:], "loss": last_loss}
 
 
 def _free_port() -> int:
@@ -258,9 +266,7 @@ def run_torch(shape: dict, layout: str, nprocs: int, steps: int, timeout: float)
             errors.append(f"rank {rank} exit {proc.returncode}: " + _last_error(text))
     if errors:
         raise RuntimeError("; ".join(errors))
-    n = min(len(r["step_s"]) for r in results)
-    return {"step_s": [max(r["step_s"][i] for r in results) for i in range(n)],
-            "loss": next((r["loss"] for r in results if r["loss"] is not None), None)}
+    return per_step([r["steps"] for r in results], next((r["loss"] for r in results if r["loss"] is not None), None))
 
 
 def _last_error(text: str) -> str:
@@ -313,7 +319,9 @@ def main():
             row = {"framework": fw, "shape": s, "layout": label, "processes": nprocs, "error": errors.get(key)}
             if runs[key] and not row["error"]:
                 per_run = [tokens / statistics.median(r["step_s"]) for r in runs[key]]
+                cpu = [statistics.median(r["cpu_s"]) for r in runs[key]]
                 row.update(tokens_per_s=statistics.median(per_run), min=min(per_run), max=max(per_run),
+                           cpu_s_per_step=statistics.median(cpu), tokens_per_cpu_s=tokens / statistics.median(cpu),
                            final_loss=runs[key][-1]["loss"])
             rows.append(row)
     for row in rows:
@@ -328,13 +336,13 @@ def main():
     print(f"gpt_pp.py GPT on CPU, OMP_NUM_THREADS=1 / torch.set_num_threads(1), {args.rounds} alternated round(s) of "
           f"{args.steps} steps (median step after {WARM}); torch {torch.__version__}")
     print(f"{'shape':5s} {'layout':12s} {'framework':9s} {'procs':>5s} {'tokens/s [min-max]':>24s} {'speed-up':>9s} "
-          f"{'of PP ideal':>12s}")
+          f"{'of PP ideal':>12s} {'tokens per CPU-s':>17s}")
     for r in rows:
         if r.get("tokens_per_s"):
             ideal = f"{r['of_ideal']:.2f} of {r['ideal']:.2f}" if "of_ideal" in r else "-"
             print(f"{r['shape']:5s} {r['layout']:12s} {r['framework']:9s} {r['processes']:5d} "
                   f"{r['tokens_per_s']:9.0f} [{r['min']:.0f}-{r['max']:.0f}]".ljust(63)
-                  + f" {r.get('speedup', 1.0):8.2f}x {ideal:>12s}")
+                  + f" {r.get('speedup', 1.0):8.2f}x {ideal:>12s} {r['tokens_per_cpu_s']:17.0f}")
         else:
             print(f"{r['shape']:5s} {r['layout']:12s} {r['framework']:9s} {r['processes']:5d}  does not run: {r['error']}")
     os.makedirs(RESULTS, exist_ok=True)
