@@ -2,8 +2,9 @@
 Paddle's MKL honours it (plugin component ``cpu_blas``).
 
 Paddle 3.3.1's and 3.2.2's CPU wheels bundle MKL 2019.0 Update 5.  On an AMD CPU it runs SGEMM
-on a generic path (``paddle.matmul`` 1024x512 @ 512x2048 fp32 on one core of an EPYC: ~20-34
-GFLOP/s); with the variable set before MKL's first CPU check, on its AVX2 path (~70-78).
+on a generic path (``paddle.matmul`` 1024x512 @ 512x2048 fp32 on one core of an EPYC: 28-35
+GFLOP/s of CPU time); with the variable set before MKL's first CPU check, on its AVX2 path (66-79;
+benchmarks/bench_cpu_blas.py).
 :mod:`.decision` says when to set it, :mod:`.machine` reads the facts.
 
 ``import paddle_hybrid`` sets it in its own process (``apply``).  That works when no BLAS call
