@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -111,7 +112,29 @@ def rows_timeline(d):
                  "--timeline", 1000 * rec, "ms", base / rec, "overhead <= 3%", d["met"])]
 
 
+def rows_cpu_blas(d):
+    r = d["rows"]
+    return [_row("CPU BLAS (AMD, MKL 2019)", "paddle.matmul GFLOP/s (CPU time), 1 thread", "avx2 reference",
+                 r["avx2 reference"]["gflops_cpu"]["median"], "plugin", r["plugin"]["gflops_cpu"]["median"], "GFLOP/s",
+                 d["plugin_over_avx2"], f">= {d['target']} of AVX2", d["met"]),
+            _row("CPU BLAS (AMD, MKL 2019)", "same, against stock", "stock", r["stock"]["gflops_cpu"]["median"],
+                 "plugin", r["plugin"]["gflops_cpu"]["median"], "GFLOP/s", d["plugin_over_stock"], "-", None)]
+
+
+def rows_vs_pytorch(d):
+    out = []
+    for layout in dict.fromkeys((r["shape"], r["layout"]) for r in d["rows"]):
+        pd, pt = (next(r for r in d["rows"] if (r["shape"], r["layout"]) == layout and r["framework"] == fw)
+                  for fw in ("Paddle", "PyTorch"))
+        if pd.get("tokens_per_s") and pt.get("tokens_per_s"):
+            out.append(_row("vs PyTorch (CPU, gloo)", f"tokens/s, {layout[0]} shape, {layout[1]}", "PyTorch",
+                            pt["tokens_per_s"], "Paddle + plugin", pd["tokens_per_s"], "tok/s",
+                            pd["tokens_per_s"] / pt["tokens_per_s"], "-", None))
+    return out
+
+
 BENCHES = {
+    "cpu_blas": ("bench_cpu_blas.py", [], ["--rounds", "2"], "cpu_blas.json", rows_cpu_blas),
     "reshard": ("bench_reshard.py", [], ["--layers", "24"], "reshard.json", rows_reshard),
     "pipeline_rewrite": ("bench_pipeline_rewrite.py", [], ["--branches", "128"], "pipeline_rewrite.json",
                          rows_pipeline_rewrite),
@@ -121,7 +144,9 @@ BENCHES = {
     "tensor_parallel": ("bench_tensor_parallel.py", [], ["--rounds", "1", "--steps", "5"], "tensor_parallel.json",
                         rows_tensor_parallel),
     "timeline": ("bench_timeline.py", [], ["--rounds", "1", "--steps", "10"], "timeline.json", rows_timeline),
+    "vs_pytorch": ("bench_vs_pytorch.py", [], ["--rounds", "1", "--steps", "5"], "vs_pytorch.json", rows_vs_pytorch),
 }
+NEEDS = {"vs_pytorch": "torch"}  # benchmarks that run only when this module is importable
 
 # The example, each feature on and off: (name, nprocs, extra args, env)
 EXAMPLE_SHAPE = ["--layers", "4", "--hidden", "64", "--seq-len", "64", "--micro-batch-size", "4",
@@ -237,6 +262,9 @@ def main():
             raw[name] = run_examples(args.example_steps, args.timeout)
             seconds[name] = time.time() - t0
             rows += example_rows(raw[name])
+            continue
+        if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+            print(f"skipped: {NEEDS[name]} not installed", flush=True)
             continue
         raw[name], seconds[name] = run_bench(name, args.quick, args.timeout)
         rows += BENCHES[name][4](raw[name])

@@ -4,6 +4,7 @@
 installs its components once (see :mod:`paddle_hybrid._install`);
 :func:`uninstall` undoes them.
 """
+from . import _env_at_start  # noqa: F401  (first: records the environment before Paddle changes it)
 from . import fused_allreduce, ops, send_wait, timeline
 from ._install import (InstallError, current_config, install, install_component, installed_components, patches,
                        report, uninstall, uninstall_component)

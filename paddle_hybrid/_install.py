@@ -7,7 +7,8 @@ Every component that touches Paddle is a module listed in ``COMPONENTS`` with
 * ``skip_reason(config)``: why this config does not want it (switched off, not needed), or None;
 * ``apply(config, patcher)``: make every change through the :class:`~.patching.Patcher` it is
   given (``set`` for an attribute, ``on_revert`` for anything else), or raise
-  :class:`ComponentSkipped` when it finds at run time that it cannot apply.
+  :class:`ComponentSkipped` when it finds at run time that it cannot apply; it may return a
+  note (what it did, when that is not an attribute), which :func:`report` prints.
 
 Policy:
 
@@ -42,6 +43,7 @@ __all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "curren
 
 # Module paths, installed in this order and uninstalled in reverse.
 COMPONENTS: list[str] = [
+    "paddle_hybrid.cpu_blas",  # first: MKL reads its CPU setting at the first BLAS call
     "paddle_hybrid.registration",
     "paddle_hybrid.reshard",
     "paddle_hybrid.cpu",
@@ -122,7 +124,7 @@ def _install_one(path: str, config: PluginConfig) -> ComponentState:
         return ComponentState(path, "skipped", message, verified=verified, config=config)
     patcher = Patcher(path, module.SWITCH)
     try:
-        module.apply(config, patcher)
+        note = module.apply(config, patcher)
     except ComponentSkipped as skipped:
         patcher.revert()
         message = f"{path}: {skipped} ({module.SWITCH} silences this)"
@@ -131,7 +133,7 @@ def _install_one(path: str, config: PluginConfig) -> ComponentState:
     except BaseException:
         patcher.revert()
         raise
-    return ComponentState(path, "active", "", patcher, verified, config)
+    return ComponentState(path, "active", note or "", patcher, verified, config)
 
 
 def _undo(state: ComponentState) -> None:
@@ -279,8 +281,9 @@ def report() -> str:
             lines.append(f"  {short_name(path):22s} not installed (paddle_hybrid.install() not called)")
         elif state.status == "active":
             n = len(state.patcher.changes()) if state.patcher else 0
+            note = f"; {state.reason}" if state.reason else ""
             lines.append(f"  {short_name(path):22s} active: {n} Paddle attributes replaced "
-                         f"(verified on Paddle {describe_versions(state.verified)}, on CPU)")
+                         f"(verified on Paddle {describe_versions(state.verified)}, on CPU){note}")
         else:
             lines.append(f"  {short_name(path):22s} {state.status}: {state.reason}")
     config = _config or PluginConfig.from_env()

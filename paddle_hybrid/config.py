@@ -137,6 +137,12 @@ class PluginConfig:
     once, when the GPU allocator is built, so import the plugin before creating GPU tensors
     (``PADDLE_HYBRID_CUDA_MALLOC_ASYNC``)."""
 
+    cpu_blas_vendor_fix: bool = True
+    """On an AMD CPU whose Paddle bundles an MKL that honours it (up to 2020.0), set
+    ``MKL_DEBUG_CPU_TYPE=5`` at import so SGEMM takes MKL's AVX2 path instead of its generic one
+    (:mod:`paddle_hybrid.cpu_blas`); also exported to the workers of ``python -m
+    paddle_hybrid.launch`` (``PADDLE_HYBRID_CPU_BLAS``)."""
+
     timeline: bool = False
     """Record a per-rank timeline of every pipeline ``train_batch`` (:mod:`paddle_hybrid.timeline`;
     :func:`paddle_hybrid.timeline.finish` writes it) (``PADDLE_HYBRID_TIMELINE``)."""
@@ -200,6 +206,7 @@ class PluginConfig:
             cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
             allow_unrun=_env_bool("PADDLE_HYBRID_ALLOW_UNRUN", False),
             cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),
+            cpu_blas_vendor_fix=_env_bool("PADDLE_HYBRID_CPU_BLAS", True),
             timeline=_env_bool("PADDLE_HYBRID_TIMELINE", False),
             force_unverified=tuple(n.strip() for n in os.environ.get("PADDLE_HYBRID_FORCE", "").split(",")
                                    if n.strip()),

@@ -13,7 +13,8 @@
 #  * the custom ops built in place (pip install --no-build-isolation -e .),
 #    rebuilt when a source is newer than the library, when the library was
 #    built against another Paddle than this venv's (build/custom_ops.stamp
-#    records which), or when this venv does not have the tree installed.
+#    records which), or when this venv does not have the tree installed;
+#  * MKL_DEBUG_CPU_TYPE exported when paddle_hybrid.cpu_blas decides so (AMD CPU, old MKL).
 # A failed pip install stops here with pip's output.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -137,3 +138,7 @@ if [ -n "$why" ]; then
   log "built in $(( $(date +%s) - start )) s"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# MKL's AVX2 kernels on AMD CPUs: the plugin's own decision (paddle_hybrid/cpu_blas), exported
+# so every process started from here has it before its first BLAS call.
+blas_env=$("$PY" -m paddle_hybrid.cpu_blas) || { log "python -m paddle_hybrid.cpu_blas failed (above)"; exit 1; }
+eval "$blas_env"

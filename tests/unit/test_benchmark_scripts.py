@@ -50,3 +50,21 @@ def test_static_allreduce_rows_show_default_then_tuned():
     assert [r["plugin"].split(":")[0] for r in rows] == ["fused (default", "fused (tuned"] * 2
     assert [r["plugin_value"] for r in rows] == [30.0, 10.0, 30.0, 10.0]
     assert [r["met"] for r in rows] == [False, True, False, True]
+
+
+def test_vs_pytorch_rows_compare_frameworks_and_skip_rows_that_did_not_run():
+    rows = [{"framework": "Paddle", "shape": "PP", "layout": "PP=2 (1F1B)", "tokens_per_s": 300.0},
+            {"framework": "PyTorch", "shape": "PP", "layout": "PP=2 (1F1B)", "tokens_per_s": 200.0},
+            {"framework": "Paddle", "shape": "TP", "layout": "TP=2", "tokens_per_s": 100.0},
+            {"framework": "PyTorch", "shape": "TP", "layout": "TP=2", "error": "RuntimeError: no gloo"}]
+    got = _run_all().rows_vs_pytorch({"rows": rows})
+    assert len(got) == 1 and got[0]["ratio"] == 1.5 and "PP=2" in got[0]["measure"]
+
+
+def test_vs_pytorch_bubble_limited_ideal():
+    spec = importlib.util.spec_from_file_location("bench_vs_pytorch", os.path.join(ROOT, "benchmarks",
+                                                                                   "bench_vs_pytorch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.ideal_pp2(4) == pytest.approx(1.6)
+    assert module.ideal_pp2(1) == pytest.approx(1.0)
