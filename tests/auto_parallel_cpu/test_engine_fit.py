@@ -55,6 +55,9 @@ def test_reshard_inserted_split_and_all_gather():
 def test_deferred_sync_changes_no_number():
     on, off = run(True), run(False)
     for a, b in zip(on, off):
+        assert len(a["program"]) == len(b["program"]) > 0
+        for k, (op_on, op_off) in enumerate(zip(a["program"], b["program"])):
+            assert op_on == op_off, f"rank {a['rank']} op {k}: {op_on} != {op_off}"  # the same program
         assert a["losses"] == b["losses"]
         for name in a["params"]:
             np.testing.assert_array_equal(a["params"][name], b["params"][name])

@@ -99,8 +99,21 @@ def main():
                   for key, layer in (("w1", model.l1), ("w2", model.l2), ("w3", model.l3))}
         reshard_ops = [op.type for op in engine.main_program.global_block().ops
                        if op.has_attr("op_namescope") and op.attr("op_namescope") == "/auto_parallel/reshard"]
+        program = describe_program(engine.main_program)
     save_result({"rank": paddle.distributed.get_rank(), "losses": [float(v) for v in history.history["loss"]],
-                 "params": params, "reshard_ops": reshard_ops})
+                 "params": params, "reshard_ops": reshard_ops, "program": program})
+
+
+def describe_program(program) -> list:
+    """Every op of every block: type, inputs and outputs by slot, and its attributes (as text),
+    so two builds can be compared op by op."""
+    out = []
+    for block in program.blocks:
+        for op in block.ops:
+            attrs = {name: repr(op.attr(name)) for name in sorted(op.attr_names) if name != "op_callstack"}
+            out.append([block.idx, op.type, {k: op.input(k) for k in sorted(op.input_names)},
+                        {k: op.output(k) for k in sorted(op.output_names)}, attrs])
+    return out
 
 
 if __name__ == "__main__":
