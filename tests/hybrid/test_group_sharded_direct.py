@@ -10,8 +10,13 @@ trained its sliced parameters on step 1 only (0.03 off stage 2 after 4 steps;
 ``paddle_hybrid.fleet_fixes.stage3_param_groups``).
 
 Tolerances, on every rank: stage 2 against ``paddle.DataParallel`` and stage 3 against stage 2:
-rtol 1e-6, atol 0 (Paddle's own tests; seen bitwise equal); gradient accumulation over 2
-microbatches against one batch: rtol 1e-5, atol 1e-6 (summation order; seen 6.7e-7);
+rtol 1e-5, atol 1e-7 (Paddle's own tests use rtol 1e-6; seen bitwise equal with MKL's generic
+kernels, but MKL's AVX2 kernels, which the plugin selects on AMD CPUs, round a matmul differently
+by the alignment of its buffers, and stage 2 keeps gradients in a fused storage: seen 1.8e-8
+absolute on values of 1e-3); gradient accumulation over 2
+microbatches against one batch: rtol 1e-5, atol 1e-5 (summation order, amplified by Adam where a
+gradient is near zero: seen 6.7e-7 with MKL's generic kernels, 2.2e-6 with its AVX2 ones; the
+defects these tests guard against are 1e-2 off);
 ``sync_comm`` and a reload from saved files: exact (same arithmetic).
 """
 import os
@@ -30,7 +35,7 @@ def _run(variants, env=None):
                   env=env)
 
 
-def _close(got, want, msg, rtol=1e-6, atol=0.0):
+def _close(got, want, msg, rtol=1e-5, atol=1e-7):
     assert len(got["losses"]) == STEPS, msg
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=rtol, atol=atol, err_msg=msg)
     assert sorted(got["params"]) == sorted(want["params"]) and got["params"], msg
@@ -54,7 +59,7 @@ def test_stage2_built_directly_trains_like_data_parallel():
         assert v["dp"]["losses"][0] != v["dp"]["losses"][-1], msg  # it trains
         _close(v["s2"], v["dp"], f"{msg} s2 vs dp")
         _close(v["s2_group"], v["dp"], f"{msg} s2 (parameter group) vs dp")
-        _close(v["s2_acc"], v["s2"], f"{msg} s2 accumulating vs s2", rtol=1e-5, atol=1e-6)
+        _close(v["s2_acc"], v["s2"], f"{msg} s2 accumulating vs s2", rtol=1e-5, atol=1e-5)
         # Paddle's stage 2 optimizer only supports step(); minimize() says so
         assert v["s2_minimize"]["minimize_error"] == ("RuntimeError: optimizer.minimize() not support now, "
                                                       "please use optimizer.step()"), msg
@@ -70,7 +75,7 @@ def test_stage3_built_directly_trains_like_stage2():
         assert v["s3"]["sliced"] == [2], msg  # the hidden weight (184 x 184 > 2**15); the rest whole
         _close(v["s3"], v["s2"], f"{msg} s3 vs s2")
         _close(v["s3_group"], v["s2"], f"{msg} s3 (parameter group) vs s2")
-        _close(v["s3_acc"], v["s2"], f"{msg} s3 accumulating (parameter group) vs s2", rtol=1e-5, atol=1e-6)
+        _close(v["s3_acc"], v["s2"], f"{msg} s3 accumulating (parameter group) vs s2", rtol=1e-5, atol=1e-5)
         _close(v["s3_sync"], v["s3"], f"{msg} s3 sync_comm vs s3", rtol=0)
         # a layer used twice, GroupNorm excluded by class name; the middle Linear excluded by id
         assert v["sp_s3_name"]["sliced"] == [2, 3], msg  # the shared and the middle weight
