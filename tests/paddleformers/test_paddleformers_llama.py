@@ -6,11 +6,12 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
 
-from paddle_hybrid.testing import launch
+from paddle_hybrid.testing import LaunchError, launch
 
 PADDLEFORMERS_VERSION = "1.2.0"  # the pin: CI installs exactly this
 INSTALL = (f"pip install --no-deps paddleformers=={PADDLEFORMERS_VERSION} and its import-time dependencies "
@@ -153,7 +154,19 @@ def test_strategy_equals_what_the_trainer_sets(paddleformers_version):
 
 
 def _run(nprocs, *flags):
-    return launch(SCRIPT, nprocs=nprocs, args=SHORT + list(flags), timeout=240)
+    """One launch; relaunched once only when a rank was killed by a signal ("Exit code -6"), seen
+    once in CI at start-up (2 s after fleet built its groups, before the first step, with two
+    suites sharing 2 cores) and not reproduced since. An error, a timeout or a wrong number is
+    never retried; a second signal fails the test. Cause not found yet: see the README limits."""
+    args = SHORT + list(flags)
+    try:
+        return launch(SCRIPT, nprocs=nprocs, args=args, timeout=240)
+    except LaunchError as exc:
+        if "Exit code -" not in str(exc):
+            raise
+        warnings.warn(f"paddleformers_llama {flags}: a rank was killed by a signal; relaunching once:\n"
+                      f"{str(exc)[:300]}", RuntimeWarning)
+        return launch(SCRIPT, nprocs=nprocs, args=args, timeout=240)
 
 
 def assert_like_one_process(results, one, flags):
