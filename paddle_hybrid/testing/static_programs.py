@@ -198,21 +198,10 @@ def pipeline_places_on_cpu():
     """
     import paddle.incubate.optimizer.pipeline as pipeline_module
 
+    from ..static_pipeline import _CpuPlacesCore  # the view the static_pipeline component uses
+
     real = pipeline_module.core
-
-    class _Core:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def is_compiled_with_cuda():
-            return True
-
-        @staticmethod
-        def CUDAPlace(_index):
-            return paddle.CPUPlace()
-
-    pipeline_module.core = _Core()
+    pipeline_module.core = _CpuPlacesCore(real)
     try:
         yield
     finally:

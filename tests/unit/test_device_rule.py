@@ -25,14 +25,6 @@ def fake_build(monkeypatch, cuda=False, xpu=False, custom=()):
     monkeypatch.setattr(paddle.device, "get_all_custom_device_type", lambda: list(custom))
 
 
-@pytest.fixture
-def plugin_restored():
-    config = paddle_hybrid.current_config()
-    yield
-    paddle_hybrid.uninstall()
-    paddle_hybrid.install(config)
-
-
 @pytest.mark.parametrize("name", sorted(FAKE_BUILDS))
 def test_accelerator_build_names_the_fake(monkeypatch, name):
     fake_build(monkeypatch, **FAKE_BUILDS[name])

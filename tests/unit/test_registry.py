@@ -24,15 +24,6 @@ def _owner_of(entry_component, owner_name, name):
     raise AssertionError((entry_component, owner_name, name))
 
 
-@pytest.fixture
-def plugin_restored():
-    """Whatever a test does to the registry, the plugin is installed as before afterwards."""
-    config = paddle_hybrid.current_config()
-    yield
-    paddle_hybrid.uninstall()
-    paddle_hybrid.install(config)
-
-
 def _snapshot():
     """(owner, name) -> (Paddle's original, the installed replacement) of every attribute the
     plugin replaced.  Two components may wrap one attribute (both fleet_fixes and grad_buckets
