@@ -12,7 +12,6 @@ Rounds alternate 1 process and 2 processes so drift of a shared machine hits bot
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -22,15 +21,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-EXAMPLE = os.path.join(ROOT, "examples", "gpt_pp.py")
 TIMED_COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("gpt_pp_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class CollectiveClock:
@@ -68,38 +59,24 @@ class CollectiveClock:
 
 
 def worker(argv):
-    import paddle
     import paddle.distributed as dist
-    from paddle.distributed import fleet
 
-    import paddle_hybrid  # noqa: F401  (before fleet.init)
+    from gpt_worker import build_training  # beside this script (a launched rank runs it from here)
     from paddle_hybrid.testing import save_result
 
-    gpt = load_example()
-    args = gpt.validate(gpt.build_parser().parse_args(argv), int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
-    paddle.set_device("cpu")
-    paddle.seed(args.seed)
-    fleet.init(is_collective=True, strategy=gpt.make_strategy(args))
-    hcg = fleet.get_hybrid_communicate_group()
-    data = gpt.CharData(gpt.make_corpus(args.corpus_chars, args.seed), args.seq_len, args.seed)
-    model, loss_fn = gpt.build_model(args, data.vocab_size, hcg.topology(), hcg)
-    sched = paddle.optimizer.lr.LambdaDecay(args.lr, lambda step: 1.0)  # constant: not what is measured
-    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters())
-    model = fleet.distributed_model(model)
-    opt = fleet.distributed_optimizer(opt)
+    run = build_training(argv)
+    args = run.args
     clock = CollectiveClock()
-    batch = args.micro_batch_size * args.accumulate_steps
     steps = []
     for step in range(args.steps):
-        x, y = data.global_batch(step, batch)
         clock.take()
         t0 = time.perf_counter()
-        loss = gpt.train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
+        loss = run.step(step)
         seconds = time.perf_counter() - t0
         comm, calls = clock.take()
         steps.append({"s": seconds, "comm_s": comm, "calls": calls, "loss": float(loss.reshape([-1])[0])})
     clock.remove()
-    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": batch * args.seq_len,
+    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": run.tokens_per_step,
                  "ran": {k: getattr(args, k) for k in ("hidden", "heads", "layers", "seq_len", "mp", "steps")}})
 
 

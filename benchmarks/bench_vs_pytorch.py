@@ -26,7 +26,6 @@ CPU/gloo stays in the table with the error.  Writes benchmarks/results/vs_pytorc
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -40,7 +39,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-EXAMPLE = os.path.join(ROOT, "examples", "gpt_pp.py")
 WARM = 2
 SHAPES = {
     "TP": dict(hidden=512, heads=8, layers=2, seq_len=128, micro_batch_size=8, accumulate_steps=2),
@@ -51,13 +49,6 @@ LAYOUTS = [("TP", "1 process", 1, ["--pp", "1", "--mp", "1"]), ("TP", "TP=2", 2,
            ("PP", "1 process", 1, ["--pp", "1", "--mp", "1"]), ("PP", "PP=2 (1F1B)", 2, ["--pp", "2", "--mp", "1"])]
 CORPUS_CHARS = 50000
 SEED = 1234
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("gpt_pp_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def shape_flags(shape: dict) -> list:
@@ -174,6 +165,8 @@ def torch_worker(argv):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    from gpt_worker import load_example  # beside this script (the torch worker runs it from here)
+
     gpt = load_example()
     data = gpt.CharData(gpt.make_corpus(CORPUS_CHARS, SEED), shape["seq_len"], SEED)
     vocab = gpt.padded_vocab(data.vocab_size)

@@ -25,14 +25,16 @@ def load_example():
     return mod
 
 
-def main(argv) -> None:
+def build_training(argv):
+    """The example's model, data, optimizer and step for the example's flags ``argv``, wrapped by
+    fleet as the example wraps them, with a constant learning rate (what is measured is the step,
+    not the schedule).  Shared by every benchmark that times ``gpt_pp.py``'s step."""
+    import types
+
     import paddle
-    import paddle.distributed as dist
     from paddle.distributed import fleet
 
     import paddle_hybrid  # noqa: F401  (before fleet.init and before the first BLAS call)
-    from paddle_hybrid.cpu_blas import machine
-    from paddle_hybrid.testing import save_result
 
     gpt = load_example()
     args = gpt.validate(gpt.build_parser().parse_args(argv), int(os.environ.get("PADDLE_TRAINERS_NUM", "1")))
@@ -42,18 +44,34 @@ def main(argv) -> None:
     hcg = fleet.get_hybrid_communicate_group()
     data = gpt.CharData(gpt.make_corpus(args.corpus_chars, args.seed), args.seq_len, args.seed)
     model, loss_fn = gpt.build_model(args, data.vocab_size, hcg.topology(), hcg)
-    sched = paddle.optimizer.lr.LambdaDecay(args.lr, lambda step: 1.0)  # constant: not what is measured
-    opt = fleet.distributed_optimizer(paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters()))
+    sched = paddle.optimizer.lr.LambdaDecay(args.lr, lambda step: 1.0)
+    opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters())
     model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(opt)
     batch = args.micro_batch_size * args.accumulate_steps
+
+    def step(index):
+        x, y = data.global_batch(index, batch)
+        return gpt.train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
+
+    return types.SimpleNamespace(args=args, step=step, tokens_per_step=batch * args.seq_len)
+
+
+def main(argv) -> None:
+    import paddle.distributed as dist
+
+    from paddle_hybrid.cpu_blas import machine
+    from paddle_hybrid.testing import save_result
+
+    run = build_training(argv)
+    args = run.args
     steps = []
     for step in range(args.steps):
-        x, y = data.global_batch(step, batch)
         w0, c0 = time.perf_counter(), time.process_time()
-        loss = gpt.train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
+        loss = run.step(step)
         steps.append({"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0})
     path, _ = machine.mkl_path(os.environ)
-    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": batch * args.seq_len,
+    save_result({"rank": dist.get_rank(), "steps": steps, "tokens_per_step": run.tokens_per_step,
                  "loss": float(loss.reshape([-1])[0]), "variable": os.environ.get("MKL_DEBUG_CPU_TYPE"),
                  "mkl_cpu_type": machine.mkl_cpu_type(path) if path else None})
 
