@@ -25,6 +25,10 @@ Also, before Paddle's launcher starts:
   AMD CPU and a Paddle MKL that honours it) and the user has not set it: in the worker's
   environment from its start, it works even if the script runs a matmul before any import.
 
+When a worker fails, the launcher exits with that worker's own code (the lowest rank among
+those that failed before the launcher stopped the rest), not with the -15 of a rank Paddle's
+launcher stopped (:mod:`.exit_code`).
+
 A training "script" that is not a ``.py`` file is run by Paddle's launcher as a program, as
 it would be anyway; the plugin cannot be put into it, and a warning says so.  Paddle's
 launcher has no module mode (``-m pkg.mod``), so neither has this one.
@@ -130,12 +134,15 @@ def environ_as_the_user_set_it() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse like Paddle, rewrite the worker command, set the environment, run Paddle's
-    launcher (its ``sys.exit`` carries the workers' exit code)."""
+    launcher (its ``sys.exit`` carries the failing worker's exit code, see :mod:`.exit_code`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_with_paddle(argv)
     new_argv = worker_argv(argv, args)
     os.environ.update(launch_environment(args, environ_as_the_user_set_it()))
     from paddle.distributed.launch.main import launch
 
+    from .exit_code import root_cause_exit_code
+
     sys.argv = [sys.argv[0], *new_argv]
-    launch()
+    with root_cause_exit_code():
+        launch()

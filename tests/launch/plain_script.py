@@ -4,7 +4,8 @@
 ``--mode train``: the shared test pipeline model (``tests/hybrid/pipeline_models.py``) as a fleet
 ``PipelineLayer`` with ``--pp`` stages, ``--steps`` ``train_batch`` steps of SGD.
 ``--mode env``: no Paddle at all; records what the process was started with.
-``--mode fail``: rank ``--fail-rank`` raises (or exits with ``--exit-code``), the others finish.
+``--mode fail``: rank ``--fail-rank`` raises (or exits with ``--exit-code``), the others finish,
+after ``--hold`` seconds (so that they are still running when the launcher sees the failure).
 
 Every rank writes ``rank<N>.json`` into ``--out``: the losses, and what the process saw before
 its first line (was the plugin already imported?), ``__name__``, ``sys.argv``, ``sys.path[0]``
@@ -17,6 +18,7 @@ PLUGIN_BEFORE_FIRST_LINE = "paddle_hybrid" in sys.modules
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import time  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPECS = dict(num_layers=6, in_dim=8, hidden=16, out_dim=4)
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--exit-code", type=int, default=0, help="0: raise an exception instead")
+    parser.add_argument("--hold", type=float, default=0.0, help="fail mode: seconds the other ranks wait")
     args = parser.parse_args()
     result = {"plugin_before_first_line": PLUGIN_BEFORE_FIRST_LINE, "name": __name__, "argv": sys.argv,
               "path0": sys.path[0], "omp": os.environ.get("OMP_NUM_THREADS"), "file": __file__,
@@ -72,6 +75,8 @@ def main() -> None:
         if args.exit_code:
             sys.exit(args.exit_code)
         raise RuntimeError(f"plain_script: rank {args.fail_rank} fails on purpose")
+    if args.mode == "fail":
+        time.sleep(args.hold)
     if args.mode == "train":
         result["losses"] = _train(args)
     with open(os.path.join(args.out, f"rank{_rank()}.json"), "w") as f:

@@ -1,6 +1,7 @@
 """``python -m paddle_hybrid.launch``: an unchanged fleet script (no ``import paddle_hybrid``)
-trains PP2 on 2 CPU processes with the losses of one process; a failing rank gives the exit
-code Paddle's launcher gives; ``OMP_NUM_THREADS`` is the user's when set, else cores //
+trains PP2 on 2 CPU processes with the losses of one process; a failing rank's own exit code
+reaches the caller (Paddle's launcher gives the -15 of a rank it stopped, see
+``paddle_hybrid/launch/exit_code.py``); ``OMP_NUM_THREADS`` is the user's when set, else cores //
 processes.  The argument rewriting is tested without processes.
 """
 import json
@@ -121,21 +122,34 @@ def test_stock_launcher_cannot_train_the_unchanged_script_on_cpu(tmp_path):
     assert "_device_id" in _logs(log_dir)
 
 
-def test_failing_rank_gives_paddles_exit_code(tmp_path):
+# The other rank is still running (it waits HOLD s) when the launcher sees rank 1 fail, so the
+# launcher stops it with SIGTERM.  Paddle's launcher then exits with the stopped rank 0's -15
+# (241); ours with rank 1's own code.
+HOLD = 60
+SIGTERM_EXIT = -15 & 0xFF
+
+
+def test_failing_rank_exception_gives_exit_code_1_where_paddles_launcher_gives_the_stopped_rank(tmp_path):
     codes = {}
     for launcher in ("paddle.distributed.launch", "paddle_hybrid.launch"):
         run_dir = tmp_path / launcher
         run_dir.mkdir()
         code, results, log_dir, _ = _launch(run_dir, launcher, 2, "--mode", "fail", "--fail-rank", 1,
-                                            env={"OMP_NUM_THREADS": "1"})
+                                            "--hold", HOLD, env={"OMP_NUM_THREADS": "1"})
         codes[launcher] = code
-        assert 1 not in results, launcher
+        assert results == {}, launcher  # rank 1 failed, rank 0 was stopped while it waited
         assert "fails on purpose" in _logs(log_dir), launcher
-    assert codes["paddle.distributed.launch"] != 0
-    assert codes["paddle_hybrid.launch"] == codes["paddle.distributed.launch"]
+    assert codes == {"paddle.distributed.launch": SIGTERM_EXIT, "paddle_hybrid.launch": 1}
 
 
 def test_exit_code_of_the_script_reaches_the_caller(tmp_path):
+    code, results, log_dir, _ = _launch(tmp_path, "paddle_hybrid.launch", 2, "--mode", "fail", "--fail-rank", 1,
+                                        "--exit-code", 7, "--hold", HOLD, env={"OMP_NUM_THREADS": "1"})
+    assert code == 7, _logs(log_dir)
+    assert results == {}
+
+
+def test_exit_code_when_the_other_ranks_had_finished(tmp_path):
     code, results, log_dir, _ = _launch(tmp_path, "paddle_hybrid.launch", 2, "--mode", "fail", "--fail-rank", 1,
                                         "--exit-code", 7, env={"OMP_NUM_THREADS": "1"})
     assert code == 7, _logs(log_dir)
