@@ -282,16 +282,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--only", choices=sorted(SHAPES), help="run the rows of one shape only")
     args = ap.parse_args()
+    layouts = [layout for layout in LAYOUTS if args.only in (None, layout[0])]
     try:
         import torch
     except ImportError:
         print("skipped: torch not installed")
         return 0
-    runs = {(fw, s, label): [] for s, label, _, _ in LAYOUTS for fw in ("Paddle", "PyTorch")}
+    runs = {(fw, s, label): [] for s, label, _, _ in layouts for fw in ("Paddle", "PyTorch")}
     errors = {}
     for _ in range(args.rounds):
-        for s, label, nprocs, flags in LAYOUTS:
+        for s, label, nprocs, flags in layouts:
             for fw in ("Paddle", "PyTorch"):
                 key = (fw, s, label)
                 if key in errors:
@@ -304,7 +306,7 @@ def main():
                 except Exception as exc:  # keep the row, with what went wrong
                     errors[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     rows = []
-    for s, label, nprocs, _ in LAYOUTS:
+    for s, label, nprocs, _ in layouts:
         shape = SHAPES[s]
         tokens = shape["micro_batch_size"] * shape["accumulate_steps"] * shape["seq_len"]
         for fw in ("Paddle", "PyTorch"):
