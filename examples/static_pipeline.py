@@ -111,16 +111,6 @@ def _param(args, name: str, shape, scale: float):
     return paddle.ParamAttr(name=name, initializer=paddle.nn.initializer.Assign(_weight(args, name, shape, scale)))
 
 
-def _tanh(x):
-    # paddle.tanh takes no legacy-IR Variable in Paddle 3.3: append the op through a LayerHelper.
-    from paddle.base.layer_helper import LayerHelper
-
-    helper = LayerHelper("tanh")
-    out = helper.create_variable_for_type_inference(x.dtype)
-    helper.append_op(type="tanh", inputs={"X": x}, outputs={"Out": out})
-    return out
-
-
 def build_program(args, vocab_size: int):
     """The static program; with ``--stages > 1`` each part under its stage's device_guard and
     fleet's pipeline optimizer, else plain Adam."""
@@ -145,10 +135,10 @@ def build_program(args, vocab_size: int):
         width = args.context * args.embed
         for layer in range(args.layers):
             with on_stage(stage_of_layer(layer, args.layers, args.stages)):
-                h = _tanh(paddle.static.nn.fc(
-                    h, args.hidden,
+                h = paddle.static.nn.fc(
+                    h, args.hidden, activation="tanh",
                     weight_attr=_param(args, f"fc{layer}.w", (width, args.hidden), 1 / np.sqrt(width)),
-                    bias_attr=_param(args, f"fc{layer}.b", (args.hidden,), 0.0)))
+                    bias_attr=_param(args, f"fc{layer}.b", (args.hidden,), 0.0))
             width = args.hidden
         with on_stage(args.stages - 1):
             logits = paddle.static.nn.fc(
