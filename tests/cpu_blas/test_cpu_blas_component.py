@@ -115,11 +115,12 @@ def test_switch_off(fake_machine, monkeypatch):
 
 
 def test_worker_environment_does_not_count_its_own_value_as_the_users(fake_machine):
-    assert cpu_blas.worker_environment() == {VARIABLE: "5"}
+    config = paddle_hybrid.PluginConfig()  # the default, whatever switch this test run was started with
+    assert cpu_blas.worker_environment(config=config) == {VARIABLE: "5"}
     _install()
     assert os.environ[VARIABLE] == "5"
-    assert cpu_blas.worker_environment() == {VARIABLE: "5"}
-    line, reason = cpu_blas.shell_export()
+    assert cpu_blas.worker_environment(config=config) == {VARIABLE: "5"}
+    line, reason = cpu_blas.shell_export(config=config)
     assert line == f"export {VARIABLE}=5\n" and "AMD" in reason
 
 
