@@ -34,14 +34,9 @@ _RECORD = "_ph_own_failures"
 
 
 def own_failures(pod) -> list[int]:
-    """Non-zero exit codes of the pod's workers that have exited, in rank order."""
-    codes = []
-    for container in pod.containers:
-        code = container.exit_code
-        # A running worker's code is None (Popen.poll()); one never started has -1.
-        if code not in (None, 0, -1):
-            codes.append(code)
-    return codes
+    """Exit codes of the pod's workers that have failed (exited, code not 0), in rank order;
+    Paddle's own ``Pod.failed_container`` says which (a worker never started is not one)."""
+    return [container.exit_code for container in pod.failed_container()]
 
 
 def _install(patcher: Patcher, pod_class) -> None:

@@ -5,6 +5,7 @@ import warnings
 import paddle
 import pytest
 from paddle.distributed.launch.job.pod import Pod
+from paddle.distributed.launch.job.status import Status
 
 from paddle_hybrid.launch import exit_code as ec
 
@@ -20,6 +21,12 @@ class FakeContainer:
     @property
     def exit_code(self):
         return self.code
+
+    @property
+    def status(self):  # as Paddle's Container reads its process
+        if self.code is None:
+            return Status.RUNNING
+        return Status.COMPLETED if self.code == 0 else Status.FAILED
 
     def send_signal(self, sig):
         if self.code is None:
@@ -55,6 +62,14 @@ def test_own_failure_wins_over_the_stopped_rank():
         pod.stop(timeout=3)
         assert [c.code for c in pod.containers] == [-15, 7]
         assert pod.exit_code == 7
+
+
+def test_a_worker_killed_by_sighup_on_its_own_counts():
+    """-1 is also what Popen reports for SIGHUP; only Paddle's status says who failed."""
+    with ec.root_cause_exit_code():
+        pod = _pod(None, -1)
+        pod.stop(timeout=3)
+        assert pod.exit_code == -1
 
 
 def test_lowest_rank_among_own_failures_and_later_stops_do_not_overwrite():
