@@ -47,6 +47,7 @@ COMPONENTS: list[str] = [
     "paddle_hybrid.registration",
     "paddle_hybrid.reshard",
     "paddle_hybrid.cpu",
+    "paddle_hybrid.expert_parallel",
     "paddle_hybrid.fleet_fixes",
     "paddle_hybrid.static_pipeline",
     "paddle_hybrid.auto_parallel_cpu",

@@ -77,6 +77,13 @@ class PluginConfig:
     ``"auto"`` when Paddle is not compiled with CUDA, ``"on"`` always, ``"off"`` never
     (``PADDLE_HYBRID_CPU_HYBRID``)."""
 
+    expert_parallel: str = "auto"
+    """Expert parallelism on CPU over gloo (:mod:`paddle_hybrid.expert_parallel`): the gloo
+    all-to-all family, ``global_scatter``/``global_gather`` and the MoE routing kernels on CPU:
+    ``"auto"`` on a build with no accelerator, ``"on"`` on any build (each replacement still
+    hands non-gloo groups and device tensors to Paddle), ``"off"`` never
+    (``PADDLE_HYBRID_EXPERT_PARALLEL``)."""
+
     fleet_fixes: bool = True
     """Fix fleet defects that give wrong numbers on any device (:mod:`paddle_hybrid.fleet_fixes`:
     global-norm clipping with weights shared between pipeline stages; no data-parallel gradient
@@ -166,6 +173,9 @@ class PluginConfig:
         if self.cpu_hybrid not in ("auto", "on", "off"):
             raise ValueError(f"PluginConfig.cpu_hybrid must be 'auto', 'on' or 'off', got {self.cpu_hybrid!r} "
                              "(environment variable PADDLE_HYBRID_CPU_HYBRID).")
+        if self.expert_parallel not in ("auto", "on", "off"):
+            raise ValueError(f"PluginConfig.expert_parallel must be 'auto', 'on' or 'off', got "
+                             f"{self.expert_parallel!r} (environment variable PADDLE_HYBRID_EXPERT_PARALLEL).")
         if self.static_pipeline not in ("auto", "on", "off"):
             raise ValueError(f"PluginConfig.static_pipeline must be 'auto', 'on' or 'off', got "
                              f"{self.static_pipeline!r} (environment variable PADDLE_HYBRID_STATIC_PIPELINE).")
@@ -194,6 +204,7 @@ class PluginConfig:
             reshard_deferred_sync=_env_bool("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", True),
             pipeline_send_wait=_env_tristate("PADDLE_HYBRID_PIPELINE_SEND_WAIT"),
             cpu_hybrid=(os.environ.get("PADDLE_HYBRID_CPU_HYBRID") or "auto").strip().lower(),
+            expert_parallel=(os.environ.get("PADDLE_HYBRID_EXPERT_PARALLEL") or "auto").strip().lower(),
             fleet_fixes=_env_bool("PADDLE_HYBRID_FLEET_FIXES", True),
             grad_buckets=_env_tristate("PADDLE_HYBRID_GRAD_BUCKETS"),
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),

@@ -12,6 +12,10 @@ fix                           what it fixes (details in the module docstring)
                               all-reduce of every slice on step 1
 :mod:`.stage3_param_groups`   group-sharded stage 3 with parameter groups
                               updates its sliced parameters on step 1 only
+:mod:`.moe_scatter_grad`      ``MoELayer`` with top-k > 1 keeps one route's
+                              gradient of a token instead of their sum
+:mod:`.moe_empty_experts`     ``MoELayer``: a rank whose experts get no token
+                              skips the backward collective (the others hang)
 ============================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -25,7 +29,8 @@ __all__ = ["skip_reason", "apply", "is_active", "FIXES", "VERIFIED_PADDLE", "SWI
 
 VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_FLEET_FIXES=0 (PluginConfig(fleet_fixes=False))"
-FIXES = ["shared_weight_norm", "no_pipeline_dp", "sharding_v2_grads", "stage3_param_groups"]
+FIXES = ["shared_weight_norm", "no_pipeline_dp", "sharding_v2_grads", "stage3_param_groups", "moe_scatter_grad",
+         "moe_empty_experts"]
 
 
 def skip_reason(config):
