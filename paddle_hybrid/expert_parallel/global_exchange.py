@@ -15,7 +15,15 @@ as Paddle's NCCL kernels arrange them:
 On gloo each is one all-to-all of rank-sized blocks (:mod:`.all_to_all`, every row crosses
 the wire once) plus one local reordering of the blocks between rank-major and expert-major.
 Each is differentiable, the gradient of one being the other with the same counts (Paddle
-registers the same pair of gradients for its ops).  The device rule per call: a static program,
+registers the same pair of gradients for its ops).
+
+The token counts themselves are exchanged by ``count_by_gate``
+(``paddle.incubate.distributed.models.moe.utils``) through its ``_alltoall``, which calls the
+process group's legacy ``alltoall`` with its *output* first, although that method takes its input
+first (``alltoall(in, out)``, as its pybind signature and C++ say; Paddle 3.3's NCCL group no
+longer implements it at all: "does not support AllToAll").  Passed through faithfully, the counts
+are overwritten by an uninitialised buffer.  So on a gloo group ``_alltoall`` is replaced by the
+same exchange in the right order (``all_to_all_tensor(out, in)``); any other group keeps Paddle's.  The device rule per call: a static program,
 a group that is not gloo or a tensor that is not on the CPU goes to Paddle's original.
 """
 from __future__ import annotations
@@ -166,8 +174,30 @@ def _make(original, gloo_version):
     return wrapper
 
 
+def _make_count_alltoall(original):
+    @functools.wraps(original)
+    def _alltoall(in_tensor_list, group=None, use_calc_stream=True):
+        import paddle
+
+        if group is not None and not group.is_member():
+            return None  # as Paddle's
+        if not (paddle.in_dynamic_mode() and is_gloo(group) and on_cpu(in_tensor_list)):
+            return original(in_tensor_list, group, use_calc_stream)
+        group = _resolve_group(group)
+        out = paddle.empty(in_tensor_list.shape, in_tensor_list.dtype)
+        group.process_group.all_to_all_tensor(out, in_tensor_list, True).wait()
+        return out
+
+    return _alltoall
+
+
 def apply(patcher) -> None:
     import importlib
+
+    incubate_utils = importlib.import_module("paddle.incubate.distributed.models.moe.utils")
+    count_alltoall = patcher.require(incubate_utils, "_alltoall", "paddle.incubate.distributed.models.moe.utils")
+    patcher.check_params(count_alltoall, ["in_tensor_list", "group", "use_calc_stream"], "moe.utils._alltoall")
+    patcher.set(incubate_utils, "_alltoall", _make_count_alltoall(count_alltoall))
 
     moe_utils = importlib.import_module("paddle.distributed.utils.moe_utils")
     moe_layer = importlib.import_module("paddle.incubate.distributed.models.moe.moe_layer")
