@@ -196,12 +196,8 @@ def apply(patcher) -> None:
         patcher.check_params(patcher.require(utils, name, "paddle.distributed.models.moe.utils"), params,
                              f"paddle.distributed.models.moe.utils.{name}")
     for name in _IMPORTED_BY_INCUBATE:
-        if patcher.require(incubate_utils, name, "paddle.incubate.distributed.models.moe.utils") \
-                is not getattr(utils, name):
-            raise RuntimeError(f"paddle.incubate.distributed.models.moe.utils.{name} is not Paddle's "
-                               f"paddle.distributed.models.moe.utils.{name}; unexpected Paddle.")
+        patcher.require(incubate_utils, name, "paddle.incubate.distributed.models.moe.utils")
     for name, (_, cpu_kernel) in PATCHED.items():
-        replacement = _make(getattr(utils, name), cpu_kernel)
-        patcher.set(utils, name, replacement)
-        if name in _IMPORTED_BY_INCUBATE:
-            patcher.set(incubate_utils, name, replacement)
+        patcher.set(utils, name, _make(getattr(utils, name), cpu_kernel))
+        if name in _IMPORTED_BY_INCUBATE:  # its own copy of the name: wrap what it holds
+            patcher.set(incubate_utils, name, _make(getattr(incubate_utils, name), cpu_kernel))
