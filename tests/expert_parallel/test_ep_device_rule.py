@@ -72,7 +72,8 @@ def plugin_reinstalled():
     paddle_hybrid.install(PluginConfig.from_env())
 
 
-def test_routing_kernels_and_global_exchange_hand_other_calls_to_paddle(monkeypatch, plugin_reinstalled):
+def test_routing_kernels_and_global_exchange_hand_other_calls_to_paddle(plugin_reinstalled, monkeypatch):
+    # plugin_reinstalled first: it is torn down last, after monkeypatch has put Paddle's functions back
     utils = "paddle.distributed.models.moe.utils"
     moe_utils = "paddle.distributed.utils.moe_utils"
     count = Recorder("number_count")
