@@ -49,6 +49,7 @@ COMPONENTS: list[str] = [
     "paddle_hybrid.cpu",
     "paddle_hybrid.expert_parallel",
     "paddle_hybrid.fleet_fixes",
+    "paddle_hybrid.paddleformers_fixes",
     "paddle_hybrid.static_pipeline",
     "paddle_hybrid.auto_parallel_cpu",
     "paddle_hybrid.grad_buckets",

@@ -89,6 +89,10 @@ class PluginConfig:
     global-norm clipping with weights shared between pipeline stages; no data-parallel gradient
     sync for a one-stage ``PipelineLayer``) (``PADDLE_HYBRID_FLEET_FIXES``)."""
 
+    paddleformers_fixes: bool = True
+    """Fix PaddleFormers defects that stop its Trainer on any device, once PaddleFormers is
+    imported (:mod:`paddle_hybrid.paddleformers_fixes`) (``PADDLE_HYBRID_PADDLEFORMERS_FIXES``)."""
+
     grad_buckets: bool | None = None
     """Let the fleet strategy's ``fuse_all_reduce_ops`` turn on the plugin's fused gradient
     buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.grad_buckets`); False keeps
@@ -206,6 +210,7 @@ class PluginConfig:
             cpu_hybrid=(os.environ.get("PADDLE_HYBRID_CPU_HYBRID") or "auto").strip().lower(),
             expert_parallel=(os.environ.get("PADDLE_HYBRID_EXPERT_PARALLEL") or "auto").strip().lower(),
             fleet_fixes=_env_bool("PADDLE_HYBRID_FLEET_FIXES", True),
+            paddleformers_fixes=_env_bool("PADDLE_HYBRID_PADDLEFORMERS_FIXES", True),
             grad_buckets=_env_tristate("PADDLE_HYBRID_GRAD_BUCKETS"),
             grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
             static_fuse_allreduce=_env_tristate("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE"),

@@ -10,6 +10,7 @@ restores every original.
 concern                    what it fixes (details in the module's docstring)
 =========================  ==================================================
 :mod:`.device`             ``ParallelEnv().device_id`` missing on CPU
+:mod:`.synchronize`        ``paddle.device.synchronize()`` refuses the CPU place
 :mod:`.groups`             gloo group start-up race; per-neighbour p2p groups
 :mod:`.p2p`                pipeline p2p on the pair groups; batched p2p on gloo
 :mod:`.collectives`        reduce_scatter, which gloo lacks
@@ -19,6 +20,8 @@ concern                    what it fixes (details in the module's docstring)
                            stage 2/3 device checks and clipping
 :mod:`.recompute`          recompute with RNG state (hybrid, PipelineLayer)
 :mod:`.timers`             ``enable_timer`` without a CUDA synchronize
+:mod:`.flex_checkpoint`    flex-checkpoint resharding (dcp) moves buffers to
+                           the GPU; on a CPU build they stay in host memory
 :mod:`.virtual_pipeline`   interleaved VP with two pipeline stages
 =========================  ==================================================
 
@@ -43,8 +46,8 @@ SWITCH = "PADDLE_HYBRID_CPU_HYBRID=off (PluginConfig(cpu_hybrid='off'))"
 
 # Applied in this order (groups before p2p, which sends through them; p2p before
 # virtual_pipeline, which is only safe with p2p's ordering).
-CONCERNS = ["device", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute", "timers",
-            "virtual_pipeline"]
+CONCERNS = ["device", "synchronize", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute",
+            "timers", "flex_checkpoint", "virtual_pipeline"]
 
 
 def skip_reason(config):

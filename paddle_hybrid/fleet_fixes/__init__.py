@@ -16,6 +16,9 @@ fix                           what it fixes (details in the module docstring)
                               gradient of a token instead of their sum
 :mod:`.moe_empty_experts`     ``MoELayer``: a rank whose experts get no token
                               skips the backward collective (the others hang)
+:mod:`.tied_optimizer_state`  flex checkpoints: a tied weight's optimizer
+                              state saved under one name, looked up under
+                              another, restarts from zero with a warning
 ============================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -30,7 +33,7 @@ __all__ = ["skip_reason", "apply", "is_active", "FIXES", "VERIFIED_PADDLE", "SWI
 VERIFIED_PADDLE = ("3.2.", "3.3.")
 SWITCH = "PADDLE_HYBRID_FLEET_FIXES=0 (PluginConfig(fleet_fixes=False))"
 FIXES = ["shared_weight_norm", "no_pipeline_dp", "sharding_v2_grads", "stage3_param_groups", "moe_scatter_grad",
-         "moe_empty_experts"]
+         "moe_empty_experts", "tied_optimizer_state"]
 
 
 def skip_reason(config):

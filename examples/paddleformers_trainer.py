@@ -1,0 +1,144 @@
+"""Train a tiny LLaMA with PaddleFormers' ``Trainer``, unchanged, in any fleet layout on CPU.
+
+This is the script a PaddleFormers user writes: ``TrainingArguments`` from the command line, a
+model ``from_pretrained``, a dataset, ``Trainer(...).train()``.  The only line for the plugin is
+``import paddle_hybrid`` (or launch with ``python -m paddle_hybrid.launch``, which imports it in
+every worker).  First write the tiny "pretrained" model once (one process, random init from a
+seed), then train from it in any layout:
+
+    python examples/paddleformers_trainer.py write-tiny-model runs/tiny-llama
+    CPU="--device cpu --bf16 false --fp16 false --amp_master_grad false --split_param false"
+    # one process
+    python examples/paddleformers_trainer.py --model_name_or_path runs/tiny-llama \\
+        --output_dir runs/one $CPU --max_steps 6 --gradient_accumulation_steps 2
+    # TP2 (PP2: --pipeline_model_parallel_size 2; sharding: --sharding stage1 --sharding_parallel_size 2)
+    python -m paddle_hybrid.launch --nproc_per_node 2 examples/paddleformers_trainer.py \\
+        --model_name_or_path runs/tiny-llama --output_dir runs/tp2 $CPU --max_steps 6 \\
+        --gradient_accumulation_steps 2 --tensor_model_parallel_size 2
+
+Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length`` and
+``--num_samples`` (:class:`ModelDataArguments`).  Saving (``--save_steps``) writes the Trainer's
+default flex checkpoint; ``--resume_from_checkpoint runs/tp2/checkpoint-3`` resumes it, in this
+layout or another.  Each rank writes the losses it logged to ``<output_dir>/losses.rank<N>.json``
+(``--logging_steps 1`` gives one per step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class ModelDataArguments:
+    model_name_or_path: str = dataclasses.field(metadata={"help": "the model to train (write-tiny-model makes one)"})
+    seq_length: int = dataclasses.field(default=16, metadata={"help": "tokens per sample"})
+    num_samples: int = dataclasses.field(default=256, metadata={"help": "samples in the synthetic dataset"})
+
+
+# --------------------------------------------------------------------------- the tiny model
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=64)
+
+
+def cpu_model_settings() -> dict:
+    """LlamaConfig settings for CPU: PaddleFormers' fused kernels have no CPU kernel."""
+    return dict(fuse_rms_norm=False, use_fused_linear_cross_entropy=False, apply_rope_fusion=False,
+                fuse_swiglu=False, use_fused_head_and_loss_fn=False, _attn_implementation="sdpa")
+
+
+def write_tiny_model(path: str, seed: int = 42) -> None:
+    """A random-init one-process LLaMA saved with ``save_pretrained``: the "pretrained" model
+    every layout starts from, so every layout starts from the same weights."""
+    import paddle
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+
+    paddle.set_device("cpu")
+    paddle.seed(seed)
+    config = LlamaConfig(**TINY, dtype="float32", pad_token_id=None, **cpu_model_settings())
+    LlamaForCausalLM(config).save_pretrained(path)
+    print(f"wrote a tiny LLaMA ({sum(v.size for v in config.to_dict().values() if False) or 'random init'}) to {path}")
+
+
+# --------------------------------------------------------------------------- data
+
+
+class ArithmeticTokens:
+    """Deterministic token sequences (arithmetic progressions modulo the vocabulary), as a
+    map-style dataset of ``{"input_ids", "labels"}`` (next-token labels): the same samples in
+    every layout, and learnable in a few steps."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        rng = np.random.default_rng(seed)
+        start = rng.integers(0, vocab_size, size=(num_samples, 1))
+        stride = rng.integers(1, 3, size=(num_samples, 1))
+        self.tokens = ((start + stride * np.arange(seq_length + 1)) % vocab_size).astype("int64")
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+
+# --------------------------------------------------------------------------- training
+
+
+def record_losses(output_dir: str):
+    """A TrainerCallback writing every loss this rank logs to ``losses.rank<N>.json``."""
+    from paddleformers.trainer import TrainerCallback
+
+    class LossRecorder(TrainerCallback):
+        def __init__(self):
+            self.losses = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses[int(state.global_step)] = float(logs["loss"])
+                rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+                with open(os.path.join(output_dir, f"losses.rank{rank}.json"), "w") as f:
+                    json.dump(self.losses, f)
+
+    return LossRecorder()
+
+
+def load_model(model_args: ModelDataArguments, training_args):
+    """PaddleFormers' LLaMA for this layout from the pretrained path: the pipeline model with
+    pipeline parallel, the causal LM otherwise; tensor parallel from the Trainer's arguments."""
+    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM, LlamaForCausalLMPipe
+
+    config = LlamaConfig.from_pretrained(model_args.model_name_or_path)
+    config.update(cpu_model_settings())
+    config.tensor_model_parallel_size = training_args.tensor_model_parallel_size
+    config.tensor_parallel_rank = training_args.tensor_parallel_rank
+    config.pipeline_model_parallel_size = training_args.pipeline_model_parallel_size
+    config.sequence_parallel = training_args.sequence_parallel
+    cls = LlamaForCausalLMPipe if training_args.pipeline_model_parallel_size > 1 else LlamaForCausalLM
+    return cls.from_pretrained(model_args.model_name_or_path, config=config, dtype="float32")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["write-tiny-model"]:
+        write_tiny_model(argv[1])
+        return
+    import paddle
+    import paddle_hybrid  # noqa: F401  (gloo collectives and the CPU fixes; the launcher imports it too)
+    from paddleformers.trainer import PdArgumentParser, Trainer, TrainingArguments
+
+    model_args, training_args = PdArgumentParser((ModelDataArguments, TrainingArguments)).parse_args_into_dataclasses(argv)
+    paddle.set_device(training_args.device)
+    model = load_model(model_args, training_args)
+    data = ArithmeticTokens(model_args.num_samples, model_args.seq_length, model.config.vocab_size,
+                            training_args.seed)
+    trainer = Trainer(model=model, args=training_args, train_dataset=data,
+                      callbacks=[record_losses(training_args.output_dir)])
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+
+if __name__ == "__main__":
+    main()
