@@ -9,7 +9,8 @@
 #    Python's, seen through --system-site-packages) has another version, the
 #    pinned one is installed into the venv, where it takes precedence;
 #    with Paddle 3.2 also protobuf<7;
-#  * numpy, pytest, parameterized, matplotlib (+ wheel/setuptools/ninja for the build);
+#  * numpy, matplotlib (+ wheel/setuptools/ninja for the build); with PADDLE_HYBRID_EXTRAS
+#    also pytest/parameterized ("test") and PaddleFormers 1.2.0 ("paddleformers");
 #  * the custom ops built in place (pip install --no-build-isolation -e .),
 #    rebuilt when a source is newer than the library, when the library was
 #    built against another Paddle than this venv's (build/custom_ops.stamp
@@ -77,11 +78,19 @@ case "$PADDLE_VERSION" in
     fi ;;
 esac
 
-missing=$("$PY" - <<'PYEOF'
-import importlib.util
-mods = {"numpy": "numpy", "pytest": "pytest", "parameterized": "parameterized",
-        "wheel": "wheel", "ninja": "ninja", "setuptools": "setuptools",
+# What is installed besides Paddle: what the main job runs, plus the extras named in
+# PADDLE_HYBRID_EXTRAS (space or comma separated): "test" (pytest, parameterized) and
+# "paddleformers" (PaddleFormers 1.2.0 and what its models and Trainer import); scripts/test.sh asks
+# for both, scripts/run.sh for paddleformers only when its main script is a PaddleFormers example.
+extras=" ${PADDLE_HYBRID_EXTRAS:-} "
+extras="${extras//,/ }"
+want_extra() { case "$extras" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+missing=$("$PY" - "$(want_extra test && echo test)" <<'PYEOF'
+import importlib.util, sys
+mods = {"numpy": "numpy", "wheel": "wheel", "ninja": "ninja", "setuptools": "setuptools",
         "matplotlib": "matplotlib"}  # the loss curve and timeline pictures
+if sys.argv[1] == "test":
+    mods.update({"pytest": "pytest", "parameterized": "parameterized"})
 print(" ".join(pkg for mod, pkg in mods.items() if importlib.util.find_spec(mod) is None))
 PYEOF
 )
@@ -90,15 +99,21 @@ if [ -n "$missing" ]; then
   pip_q $missing
 fi
 
-# PaddleFormers for tests/paddleformers (examples/paddleformers_llama.py), pinned. 1.2.0 needs
-# Paddle >= 3.3 (it imports paddle.nn.functional.swiglu). --no-deps: its requirements would
-# downgrade numpy to 1.26.4 and pull datasets/librosa/modelscope/..., which the model and
-# TrainingArguments never import; what they do import is listed here, pinned.
-if "$PY" -c 'import sys, paddle; v = tuple(int(x) for x in paddle.__version__.split(".")[:2]); sys.exit(not (v >= (3, 3) or v == (0, 0)))' 2>/dev/null \
-   && ! "$PY" -c 'import sys, importlib.metadata as m; sys.exit(m.version("paddleformers") != "1.2.0")' 2>/dev/null; then
-  log "installing paddleformers==1.2.0 (tests/paddleformers)"
-  pip_q --no-deps paddleformers==1.2.0 transformers==5.3.0 huggingface_hub==1.33.0 aistudio-sdk==0.3.9 omegaconf==2.4.0
-  pip_q colorlog==6.12.0 tqdm==4.70.1 filelock==4.2.12 psutil==7.2.2 ml_dtypes==0.5.4 regex pyyaml requests six
+# PaddleFormers, pinned. 1.2.0 needs Paddle >= 3.3 (it imports paddle.nn.functional.swiglu).
+# Everything with --no-deps: PaddleFormers' own requirements would downgrade numpy to 1.26.4 and
+# pull datasets/librosa/modelscope/..., which the models and the Trainer never import, and any
+# install with dependencies makes pip print resolver errors about them.  What they do import is
+# the pinned list plus the closure of the small packages below, resolved by a dry run.
+PF_PINS="paddleformers==1.2.0 transformers==5.3.0 huggingface_hub==1.33.0 aistudio-sdk==0.3.9 omegaconf==2.4.0 tokenizers==0.22.1"
+PF_IMPORTS="colorlog==6.12.0 tqdm==4.70.1 filelock==4.2.12 psutil==7.2.2 ml_dtypes==0.5.4 regex pyyaml requests six"
+if want_extra paddleformers \
+   && "$PY" -c 'import sys, paddle; v = tuple(int(x) for x in paddle.__version__.split(".")[:2]); sys.exit(not (v >= (3, 3) or v == (0, 0)))' 2>/dev/null \
+   && ! "$PY" -c 'import sys, importlib.metadata as m, importlib.util as u; sys.exit(m.version("paddleformers") != "1.2.0" or u.find_spec("tokenizers") is None)' 2>/dev/null; then
+  log "installing paddleformers==1.2.0 and what its Trainer imports (PADDLE_HYBRID_EXTRAS=paddleformers)"
+  closure=$("$PY" -m pip install --dry-run -q --disable-pip-version-check --report - $PF_IMPORTS 2>/dev/null \
+    | "$PY" -c 'import json, sys; r = json.load(sys.stdin); print(" ".join(i["metadata"]["name"] + "==" + i["metadata"]["version"] for i in r["install"]))') \
+    || { log "resolving what PaddleFormers imports failed; run: $PY -m pip install --dry-run $PF_IMPORTS"; exit 1; }
+  pip_q --no-deps $PF_PINS $closure
 fi
 
 # The library is one file shared by every venv that uses this tree; the stamp

@@ -3,8 +3,9 @@
 # what it needs (see scripts/env.sh).  Extra arguments go to the example, e.g.
 #   bash scripts/run.sh --steps 30
 # Rank 0's progress is shown while it runs; every worker's log is in runs/log.
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 MAIN="${PADDLE_HYBRID_MAIN:-examples/gpt_pp.py}"
+case "$MAIN" in *paddleformers*) export PADDLE_HYBRID_EXTRAS="${PADDLE_HYBRID_EXTRAS:-} paddleformers" ;; esac
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 NPROC="${PADDLE_HYBRID_NPROC:-2}"
 LOG_DIR="${PADDLE_HYBRID_LOG_DIR:-runs/log}"
 rm -rf "$LOG_DIR"
