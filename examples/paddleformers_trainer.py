@@ -19,8 +19,9 @@ seed), then train from it in any layout:
 Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length`` and
 ``--num_samples`` (:class:`ModelDataArguments`).  Saving (``--save_steps``) writes the Trainer's
 default flex checkpoint; ``--resume_from_checkpoint runs/tp2/checkpoint-3`` resumes it, in this
-layout or another.  Each rank writes the losses it logged to ``<output_dir>/losses.rank<N>.json``
-(``--logging_steps 1`` gives one per step).
+layout or another.  Each rank writes the losses it logged and the wall-clock end of every step to
+``<output_dir>/progress.rank<N>.json`` (``{"loss": {step: loss}, "step_end_time": {step: seconds}}``;
+``--logging_steps 1`` gives a loss per step).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -61,7 +63,7 @@ def write_tiny_model(path: str, seed: int = 42) -> None:
     paddle.seed(seed)
     config = LlamaConfig(**TINY, dtype="float32", pad_token_id=None, **cpu_model_settings())
     LlamaForCausalLM(config).save_pretrained(path)
-    print(f"wrote a tiny LLaMA ({sum(v.size for v in config.to_dict().values() if False) or 'random init'}) to {path}")
+    print(f"wrote a tiny random-init LLaMA (seed {seed}) to {path}")
 
 
 # --------------------------------------------------------------------------- data
@@ -88,22 +90,30 @@ class ArithmeticTokens:
 # --------------------------------------------------------------------------- training
 
 
-def record_losses(output_dir: str):
-    """A TrainerCallback writing every loss this rank logs to ``losses.rank<N>.json``."""
+def record_progress(output_dir: str):
+    """A TrainerCallback writing every loss this rank logs, and when each step ended, to
+    ``progress.rank<N>.json`` (rewritten at each event, so a run that stops keeps what it did)."""
     from paddleformers.trainer import TrainerCallback
 
-    class LossRecorder(TrainerCallback):
+    class ProgressRecorder(TrainerCallback):
         def __init__(self):
-            self.losses = {}
+            self.progress = {"loss": {}, "step_end_time": {}}
+            self.path = os.path.join(output_dir, f"progress.rank{int(os.environ.get('PADDLE_TRAINER_ID', '0'))}.json")
+
+        def _write(self):
+            with open(self.path, "w") as f:
+                json.dump(self.progress, f)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.progress["step_end_time"][int(state.global_step)] = time.time()
+            self._write()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
-                self.losses[int(state.global_step)] = float(logs["loss"])
-                rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
-                with open(os.path.join(output_dir, f"losses.rank{rank}.json"), "w") as f:
-                    json.dump(self.losses, f)
+                self.progress["loss"][int(state.global_step)] = float(logs["loss"])
+                self._write()
 
-    return LossRecorder()
+    return ProgressRecorder()
 
 
 def load_model(model_args: ModelDataArguments, training_args):
@@ -136,7 +146,7 @@ def main(argv=None):
     data = ArithmeticTokens(model_args.num_samples, model_args.seq_length, model.config.vocab_size,
                             training_args.seed)
     trainer = Trainer(model=model, args=training_args, train_dataset=data,
-                      callbacks=[record_losses(training_args.output_dir)])
+                      callbacks=[record_progress(training_args.output_dir)])
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
 

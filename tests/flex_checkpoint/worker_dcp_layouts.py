@@ -36,8 +36,9 @@ def build(layout):
                 self.down = paddle.nn.Linear(2 * HIDDEN, HIDDEN)
 
         def forward(self, x):
-            h = self.down(paddle.nn.functional.relu(self.up(self.embed(x))))
-            return paddle.matmul(h, self.embed.weight, transpose_y=True)
+            # Ends in the row-parallel layer's full output: every rank computes the same loss,
+            # so the replicated parameters (the biases of the row-parallel layer) stay equal.
+            return self.down(paddle.nn.functional.relu(self.up(self.embed(x))))
 
     return Tiny(layout == "tp2")
 
@@ -78,6 +79,7 @@ def main():
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 2, "pp_degree": 1}
     fleet.init(is_collective=True, strategy=strategy)
+    both_ranks = dist.new_group([0, 1])
     paddle.seed(7)
     result = {}
     for phase, layout in (("saved", save_layout), ("loaded", load_layout)):
@@ -94,9 +96,11 @@ def main():
             opt._create_accumulators(paddle.base.framework.default_main_program().global_block(),
                                      model.parameters())
             target = {**model.sharded_state_dict(), **opt.sharded_state_dict(model.sharded_state_dict())}
-            # The group-wise strategies exchange within the groups they are given: here the one
-            # group of both ranks (the tensor-parallel group of this 2-rank job).
-            groups = [fleet.get_hybrid_communicate_group().get_model_parallel_group()]
+            # The group-wise strategies exchange within the groups they are given: the tensor-
+            # parallel group of this 2-rank job and a second group of the same ranks (Paddle's
+            # multi_group_broadcast colours groups by their overlaps and raises a KeyError for a
+            # group that overlaps no other, so one group alone fails on every device).
+            groups = [fleet.get_hybrid_communicate_group().get_model_parallel_group(), both_ranks]
             if comm_method == "default":  # Paddle 3.2: no strategies to choose from
                 dist.load_state_dict(target, path)
             else:

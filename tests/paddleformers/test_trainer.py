@@ -72,8 +72,8 @@ def run(work, name, nprocs, flags, model, env_extra=None, timeout=300):
         raise LaunchError(f"{name} exited with {proc.returncode}\n{tail}{logs}")
     losses = {}
     for rank in range(nprocs):
-        with open(os.path.join(out, f"losses.rank{rank}.json")) as f:
-            losses[rank] = {int(k): v for k, v in json.load(f).items()}
+        with open(os.path.join(out, f"progress.rank{rank}.json")) as f:
+            losses[rank] = {int(k): v for k, v in json.load(f)["loss"].items()}
     return losses
 
 
@@ -129,3 +129,19 @@ def test_checkpoint_without_tied_state_fails_loudly(work):
     with pytest.raises(LaunchError, match="MissingOptimizerStateError") as caught:
         run(work["dir"], "stock-to-pp2", nprocs, [*flags, "--resume_from_checkpoint", checkpoint], work["model"])
     assert "model.embed_tokens.weight" in str(caught.value)
+
+
+def test_fixes_are_listed_once_the_trainer_is_imported(work):
+    """paddleformers_fixes changes nothing until PaddleFormers' trainer is imported, then
+    patches() lists each change under the component."""
+    probe = ("import paddle_hybrid, json\n"
+             "before = [p['name'] for p in paddle_hybrid.patches() if p['component'].endswith('paddleformers_fixes')]\n"
+             "import paddleformers.trainer.trainer\n"
+             "after = [p['name'] for p in paddle_hybrid.patches() if p['component'].endswith('paddleformers_fixes')]\n"
+             "print('RESULT' + json.dumps([before, after]))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert before == []
+    assert sorted(after) == sorted(["_wrap_distributed_optimizer", "init_optimizer", "init_optimizer",
+                                    "_load_flex_checkpoint", "get_hybrid_communicate_group"]), after

@@ -39,7 +39,7 @@ def test_cuda_answers_host_copy_only_for_flex_checkpoint(plugin):
     if paddle.is_compiled_with_cuda():
         pytest.skip("a CUDA build: .cuda() is Paddle's")
     t = paddle.to_tensor(np.arange(6, dtype="float32"))
-    with pytest.raises(ValueError, match="No available device"):
+    with pytest.raises(ValueError):  # 3.3: "No available device found"; 3.2: "use wrong place"
         _call_cuda_as("paddle.distributed.flex_checkpoint.dcp.reshard_comm", t)
     paddle_hybrid.install()
     copy = _call_cuda_as("paddle.distributed.flex_checkpoint.dcp.reshard_comm", t)
@@ -47,7 +47,7 @@ def test_cuda_answers_host_copy_only_for_flex_checkpoint(plugin):
     np.testing.assert_array_equal(copy.numpy(), t.numpy())
     copy[0] = 100.0  # a copy, as .cuda() returns one
     assert float(t[0]) == 0.0
-    with pytest.raises(ValueError, match="No available device"):  # anyone else: Paddle's answer
+    with pytest.raises(ValueError):  # anyone else: Paddle's answer
         _call_cuda_as("user_script", t)
 
 

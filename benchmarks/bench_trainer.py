@@ -1,0 +1,96 @@
+"""PaddleFormers' Trainer on CPU (``examples/paddleformers_trainer.py``), side by side in one run:
+tokens per second of each layout against one process, and the time from launch to the end of
+the first step.
+
+Each layout runs the example as a user does (``python -m paddle_hybrid.launch``, the CPU flags,
+clipping on, gradient accumulation 2, the same global batch in every layout) for ``--steps``
+steps on the example's tiny LLaMA.  Tokens per second counts the global batch's tokens of the
+steps after the first, over the time between the first and the last step's end (rank 0's clock);
+launch to first step is measured from just before the launcher starts to the end of step 1
+(start-up, ``fleet.init``, loading the model through a flex checkpoint, the first step).
+
+    python benchmarks/bench_trainer.py                    # one, TP2, PP2, DP2, sharding 2
+    python benchmarks/bench_trainer.py --steps 30 --layouts one tp2
+
+Prints a table and writes ``benchmarks/results/trainer.json``.  Needs PaddleFormers 1.2.0
+(``PADDLE_HYBRID_EXTRAS=paddleformers source scripts/env.sh``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+EXAMPLE = os.path.join(ROOT, "examples", "paddleformers_trainer.py")
+CPU_FLAGS = ["--device", "cpu", "--bf16", "false", "--fp16", "false", "--amp_master_grad", "false",
+             "--split_param", "false", "--report_to", "none"]
+MICRO_BATCH, ACCUMULATE, SEQ = 4, 2, 16  # global batch: 8 sequences of 16 tokens in every layout
+LAYOUTS = {  # name: (processes, flags)
+    "one": (1, []),
+    "tp2": (2, ["--tensor_model_parallel_size", "2"]),
+    "pp2": (2, ["--pipeline_model_parallel_size", "2"]),
+    "dp2": (2, ["--per_device_train_batch_size", str(MICRO_BATCH // 2)]),
+    "sharding2": (2, ["--sharding", "stage1", "--sharding_parallel_size", "2",
+                      "--per_device_train_batch_size", str(MICRO_BATCH // 2)]),
+}
+
+
+def run_layout(work, model, name, steps):
+    nprocs, flags = LAYOUTS[name]
+    out = os.path.join(work, name)
+    args = [EXAMPLE, "--model_name_or_path", model, "--output_dir", out, *CPU_FLAGS,
+            "--max_steps", str(steps), "--gradient_accumulation_steps", str(ACCUMULATE), "--logging_steps", "1",
+            "--per_device_train_batch_size", str(MICRO_BATCH), "--seq_length", str(SEQ), "--save_strategy", "no",
+            *flags]
+    cmd = [sys.executable, *args] if nprocs == 1 else [
+        sys.executable, "-m", "paddle_hybrid.launch", "--nproc_per_node", str(nprocs), "--log_dir", out + ".log", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(os.path.join(out, "progress.rank0.json")) as f:
+        progress = json.load(f)
+    ends = {int(k): v for k, v in progress["step_end_time"].items()}
+    tokens = (steps - 1) * MICRO_BATCH * ACCUMULATE * SEQ
+    return {"processes": nprocs, "steps": steps,
+            "tokens_per_s": tokens / (ends[steps] - ends[1]),
+            "launch_to_first_step_s": ends[1] - started,
+            "final_loss": progress["loss"][str(steps)]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    args = p.parse_args(argv)
+    if "one" not in args.layouts:
+        args.layouts.insert(0, "one")
+    rows = {}
+    with tempfile.TemporaryDirectory() as work:
+        model = os.path.join(work, "tiny-llama")
+        subprocess.run([sys.executable, EXAMPLE, "write-tiny-model", model], check=True, capture_output=True)
+        for name in args.layouts:
+            rows[name] = run_layout(work, model, name, args.steps)
+    base = rows["one"]["tokens_per_s"]
+    print(f"{'layout':10s} {'procs':>5s} {'tokens/s':>10s} {'vs one':>7s} {'launch->step 1 (s)':>19s} {'loss':>8s}")
+    for name, r in rows.items():
+        r["vs_one_process"] = r["tokens_per_s"] / base
+        print(f"{name:10s} {r['processes']:5d} {r['tokens_per_s']:10.0f} {r['vs_one_process']:6.2f}x "
+              f"{r['launch_to_first_step_s']:19.1f} {r['final_loss']:8.4f}")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "trainer.json"), "w") as f:
+        json.dump({"config": {"steps": args.steps, "micro_batch": MICRO_BATCH, "accumulate": ACCUMULATE,
+                              "seq_length": SEQ, "model": "examples/paddleformers_trainer.py TINY"},
+                   "layouts": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
