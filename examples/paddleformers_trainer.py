@@ -127,6 +127,7 @@ def load_model(model_args: ModelDataArguments, training_args):
     config.tensor_parallel_rank = training_args.tensor_parallel_rank
     config.pipeline_model_parallel_size = training_args.pipeline_model_parallel_size
     config.sequence_parallel = training_args.sequence_parallel
+    config.max_sequence_length = model_args.seq_length  # sequence parallel splits sequences of this length
     cls = LlamaForCausalLMPipe if training_args.pipeline_model_parallel_size > 1 else LlamaForCausalLM
     return cls.from_pretrained(model_args.model_name_or_path, config=config, dtype="float32")
 

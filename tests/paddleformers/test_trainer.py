@@ -28,6 +28,7 @@ STEPS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--logging_st
 LOSS_RTOL = 1e-5
 LAYOUTS = {  # name: (processes, flags); DP and sharding halve the per-device batch: same global batch
     "tp2": (2, ["--tensor_model_parallel_size", "2"]),
+    "tp2sp": (2, ["--tensor_model_parallel_size", "2", "--sequence_parallel", "true"]),
     "pp2": (2, ["--pipeline_model_parallel_size", "2"]),
     "dp2": (2, ["--per_device_train_batch_size", "1"]),
     "sharding2": (2, ["--sharding", "stage1", "--sharding_parallel_size", "2", "--per_device_train_batch_size", "1"]),
