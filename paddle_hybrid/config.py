@@ -52,6 +52,18 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"paddle_hybrid: environment variable {name}={raw!r} is not a number.") from None
 
 
+# Deadlines the user sets: at least a second (the stores and rings count whole seconds, so less
+# would become 0: no deadline at all) and at most a day (inf or 1e30 overflow the C++ side).
+TIMEOUT_RANGE = (1.0, 86400.0)
+
+
+def _check_seconds(field: str, value, env: str) -> None:
+    low, high = TIMEOUT_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"PluginConfig.{field} must be a number of seconds in [{low:g}, {high:g}], got {value!r} "
+                         f"(environment variable {env}).")
+
+
 @dataclasses.dataclass(frozen=True)
 class PluginConfig:
     """What ``import paddle_hybrid`` installs.
@@ -186,16 +198,13 @@ class PluginConfig:
         if self.auto_parallel_cpu not in ("auto", "on", "off"):
             raise ValueError(f"PluginConfig.auto_parallel_cpu must be 'auto', 'on' or 'off', got "
                              f"{self.auto_parallel_cpu!r} (environment variable PADDLE_HYBRID_AUTO_PARALLEL_CPU).")
-        if not isinstance(self.static_pipeline_timeout, (int, float)) or not self.static_pipeline_timeout > 0:
-            raise ValueError(f"PluginConfig.static_pipeline_timeout must be a number of seconds > 0, got "
-                             f"{self.static_pipeline_timeout!r} (PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT).")
+        _check_seconds("static_pipeline_timeout", self.static_pipeline_timeout, "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT")
         if (not isinstance(self.grad_bucket_max_params, int) or isinstance(self.grad_bucket_max_params, bool)
                 or self.grad_bucket_max_params < 0):
             raise ValueError("PluginConfig.grad_bucket_max_params must be an int >= 0 (0: no limit), got "
                              f"{self.grad_bucket_max_params!r} (PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS).")
-        if not isinstance(self.static_layout_check_timeout, (int, float)) or not self.static_layout_check_timeout > 0:
-            raise ValueError(f"PluginConfig.static_layout_check_timeout must be a number of seconds > 0, got "
-                             f"{self.static_layout_check_timeout!r} (PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT).")
+        _check_seconds("static_layout_check_timeout", self.static_layout_check_timeout,
+                       "PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT")
         if (not isinstance(self.cuda_graph_warmup_steps, int) or isinstance(self.cuda_graph_warmup_steps, bool)
                 or self.cuda_graph_warmup_steps < 0):
             raise ValueError("PluginConfig.cuda_graph_warmup_steps must be an int >= 0, got "

@@ -28,7 +28,8 @@ to Paddle's original unchanged.
    exists but no grad kernel, so it cannot train.  Patch: the vocab-parallel softmax
    cross entropy (global max and sum by all_reduce, the label's logit from the rank that
    holds it), backward ``softmax - one_hot`` on the local vocab slice, ``ignore_index``
-   rows zero in both.
+   rows zero in both.  A label outside ``[0, vocab)`` that is not ``ignore_index`` raises, as
+   Paddle's kernel does (it would be in no rank's slice and the loss silently the log-sum-exp).
 7. ``InnerOverlapLinear`` (``ColumnParallelLinear`` with ``mp_configs.mp_async_allreduce``)
    calls the ``c_identity`` kernel in its forward unless ``mp_skip_c_identity``.  Patch:
    on CPU its forward runs with that copy skipped (same values; its backward all-reduces
@@ -284,6 +285,22 @@ _make_c_split = _make_last_dim("split")
 _make_c_concat = _make_last_dim("gather")
 
 
+def _check_label_bounds(label, vocab: int, nranks: int, ignore_index: int) -> None:
+    """Paddle's kernel refuses a label outside ``[0, vocab)`` that is not ``ignore_index``; without
+    this check such a label is in no rank's slice, picks nothing, and the loss silently becomes the
+    log-sum-exp.  Every rank holds the same labels, so every rank raises."""
+    import paddle
+
+    label = label.astype("int64")
+    bad = paddle.logical_and(label != ignore_index, paddle.logical_or(label < 0, label >= vocab))
+    if bool(bad.any()):
+        values = sorted(set(label[bad].numpy().ravel().tolist()))
+        raise ValueError(
+            f"paddle_hybrid.cpu: ParallelCrossEntropy got label {values[0]} (bad values: {values[:8]}); a label "
+            f"must be in [0, {vocab}) (the vocabulary, {vocab // nranks} per rank on {nranks} ranks) or equal "
+            f"ignore_index ({ignore_index}). Check the tokenizer's vocabulary size against the model's.")
+
+
 def _make_cross_entropy(orig):
     def _c_softmax_with_cross_entropy(logits, label, group=None, return_softmax=False, ignore_index=-100):
         import paddle
@@ -300,6 +317,7 @@ def _make_cross_entropy(orig):
                 f"paddle_hybrid.cpu: ParallelCrossEntropy on CPU takes hard labels of shape "
                 f"logits.shape[:-1] or logits.shape[:-1] + [1]; got label {label.shape} for logits "
                 f"{logits.shape}.")
+        _check_label_bounds(label, logits.shape[-1] * nranks, nranks, ignore_index)
         loss, softmax = _layers()["cross_entropy"].apply(logits, label, group, rank, ignore_index)
         return (loss, softmax) if return_softmax else loss
 

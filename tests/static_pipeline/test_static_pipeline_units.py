@@ -216,3 +216,12 @@ def test_plain_programs_run_as_before():
         out, = exe.run(main, feed={"x": np.ones([2, 3], "float32")}, fetch_list=[y])
     np.testing.assert_array_equal(out, np.full([2, 3], 2.0, "float32"))
     assert paddle_hybrid  # installed by conftest
+
+
+@pytest.mark.parametrize("value", ["0.5", "inf", "nan", "1e30", "-3"])
+@pytest.mark.parametrize("env", ["PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT", "PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT"])
+def test_timeout_outside_the_range_is_refused(monkeypatch, env, value):
+    """0.5 s became int 0 (no deadline) and inf overflowed; both were accepted before."""
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=rf"in \[1, 86400\].*{env}"):
+        PluginConfig.from_env()
