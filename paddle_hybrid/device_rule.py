@@ -21,7 +21,7 @@ import dataclasses
 
 from .device import accelerator_build
 
-__all__ = ["UnrunPath", "UNRUN_PATHS", "Decision", "decide", "describe", "opt_in_hint"]
+__all__ = ["UnrunPath", "UNRUN_PATHS", "Decision", "decide", "describe", "opt_in_hint", "cpu_component_skip_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,3 +92,21 @@ def describe(config, accelerator: str | None = ...) -> list[str]:
         state = "on" if decision.on else "off"
         lines.append(f"{field:22s} {state}" + (f": {decision.reason}" if decision.reason else ""))
     return lines
+
+
+def cpu_component_skip_reason(setting: str, field: str, env: str, what: str) -> str | None:
+    """Why a CPU/gloo component with an ``auto|on|off`` setting is not installed, or None.
+
+    ``auto`` installs only on a build with no accelerator (the paths ran on CPU only), ``on``
+    everywhere (each replacement still hands non-gloo groups and device tensors to Paddle),
+    ``off`` never.  ``what`` names the paths in the message ("the CPU/gloo emulations")."""
+    from . import device  # looked up at each call: the build's answer (or a test's fake) now
+
+    if setting == "off":
+        return f"switched off ({field}='off')"
+    accelerator = device.accelerator_build() if setting == "auto" else None
+    if accelerator is not None:
+        return (f"not installed: this Paddle build has an accelerator ({accelerator}) and {what} never ran "
+                f"there; {field}='on' ({env}=on) forces them, and each replacement still hands non-gloo groups "
+                "and device tensors to Paddle")
+    return None

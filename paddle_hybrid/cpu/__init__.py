@@ -56,16 +56,10 @@ def skip_reason(config):
     Under ``auto`` they install only on a build with no accelerator: they were written and run
     for gloo on CPU, and the device rule keeps such paths off a device they never ran on until
     the user opts in."""
-    from ..device import accelerator_build
+    from ..device_rule import cpu_component_skip_reason
 
-    if config.cpu_hybrid == "off":
-        return "switched off (cpu_hybrid='off')"
-    accelerator = accelerator_build() if config.cpu_hybrid == "auto" else None
-    if accelerator is not None:
-        return (f"not installed: this Paddle build has an accelerator ({accelerator}) and the CPU/gloo "
-                "emulations never ran there; cpu_hybrid='on' (PADDLE_HYBRID_CPU_HYBRID=on) forces them, "
-                "and each replacement still hands non-gloo groups and device tensors to Paddle")
-    return None
+    return cpu_component_skip_reason(config.cpu_hybrid, "cpu_hybrid", "PADDLE_HYBRID_CPU_HYBRID",
+                                     "the CPU/gloo emulations")
 
 
 def apply(config, patcher: Patcher) -> None:

@@ -17,17 +17,24 @@ import functools
 
 from ..device import is_gloo
 
-__all__ = ["apply", "reduce_scatter_by_all_reduce"]
+__all__ = ["apply", "reduce_scatter_by_all_reduce", "DoneTask"]
 
 
-class _DoneTask:
-    """What a synchronous emulation returns where Paddle returns a task."""
+class DoneTask:
+    """What an emulation that completes inside its call returns where Paddle returns a task
+    (also :mod:`paddle_hybrid.expert_parallel`'s all-to-all)."""
 
     def wait(self, *args, **kwargs):
         return True
 
     def is_completed(self):
         return True
+
+    def is_sync(self):
+        return True
+
+    def synchronize(self):
+        return None
 
 
 def reduce_scatter_by_all_reduce(out_tensor, in_tensor, op, group) -> None:
@@ -53,7 +60,7 @@ def _make_tensor_form(orig):
         if not is_gloo(group):
             return orig(out_tensor, in_tensor, op, group, sync_op, use_calc_stream, caller)
         reduce_scatter_by_all_reduce(out_tensor, in_tensor, op, group)
-        return _DoneTask()
+        return DoneTask()
 
     return _reduce_scatter_tensor_in_dygraph
 
@@ -66,7 +73,7 @@ def _make_list_form(orig):
         if not is_gloo(group):
             return orig(tensor, tensor_list, op, group, sync_op, use_calc_stream)
         reduce_scatter_by_all_reduce(tensor, paddle.concat(list(tensor_list), axis=0), op, group)
-        return _DoneTask()
+        return DoneTask()
 
     return _reduce_scatter_in_dygraph
 

@@ -38,16 +38,10 @@ CONCERNS = ["all_to_all", "routing_kernels", "global_exchange", "nccl_check"]
 
 def skip_reason(config):
     """Why ``config`` does not want expert parallelism on gloo, or None (as :mod:`paddle_hybrid.cpu`)."""
-    from ..device import accelerator_build
+    from ..device_rule import cpu_component_skip_reason
 
-    if config.expert_parallel == "off":
-        return "switched off (expert_parallel='off')"
-    accelerator = accelerator_build() if config.expert_parallel == "auto" else None
-    if accelerator is not None:
-        return (f"not installed: this Paddle build has an accelerator ({accelerator}) and the gloo all-to-all "
-                "and CPU routing kernels never ran there; expert_parallel='on' (PADDLE_HYBRID_EXPERT_PARALLEL=on) "
-                "forces them, and each replacement still hands non-gloo groups and device tensors to Paddle")
-    return None
+    return cpu_component_skip_reason(config.expert_parallel, "expert_parallel", "PADDLE_HYBRID_EXPERT_PARALLEL",
+                                     "the gloo all-to-all and CPU routing kernels")
 
 
 def apply(config, patcher: Patcher) -> None:

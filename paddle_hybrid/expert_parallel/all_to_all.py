@@ -41,26 +41,10 @@ from __future__ import annotations
 
 import functools
 
+from ..cpu.collectives import DoneTask
 from ..device import on_cpu
 
-__all__ = ["apply", "PATCHED_METHODS", "round_robin_partner", "exchange", "split_sizes",
-           "DoneTask"]
-
-
-class DoneTask:
-    """What an emulation that completes inside its call returns where Paddle returns a task."""
-
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
-
-    def is_sync(self):
-        return True
-
-    def synchronize(self):
-        return None
+__all__ = ["apply", "PATCHED_METHODS", "round_robin_partner", "exchange", "split_sizes"]
 
 
 # ---------------------------------------------------------------------------
