@@ -5,8 +5,9 @@ fix                      what it mends (details in the module's docstring)
 =======================  ==============================================================
 :mod:`.grad_norm_hook`   TP / PP / sharding with ``max_grad_norm > 0`` (the default):
                          ``'AdamW' object has no attribute '_inner_opt'``
-:mod:`.optimizer_state_check`  a flex-checkpoint resume that finds no optimizer state
-                         for a parameter restarts its moments silently; now an error
+:mod:`.flex_checkpoint_load`  the Trainer's flex-checkpoint resume: a parameter with no
+                         optimizer state restarts its moments silently (now an error);
+                         one process: ``'Fleet' object has no attribute '_hcg'``
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
@@ -59,10 +60,10 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
                       f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
                       f"{SWITCH} silences this.", RuntimeWarning, stacklevel=2)
         return
-    from . import grad_norm_hook, optimizer_state_check
+    from . import grad_norm_hook, flex_checkpoint_load
 
     grad_norm_hook.apply(patcher, trainer_module)
-    optimizer_state_check.apply(patcher, trainer_module)
+    flex_checkpoint_load.apply(patcher, trainer_module)
 
 
 def apply(config, patcher: Patcher) -> str:

@@ -81,11 +81,9 @@ def launch(
     timeout: float = 300.0,
     env: dict | None = None,
     keep_dir: str | None = None,
-    launcher: str = "paddle.distributed.launch",
 ) -> list:
     """Run ``script`` on ``nprocs`` CPU ranks over gloo; return each rank's
-    :func:`save_result` object, indexed by rank.  ``launcher`` is the module run with ``-m``
-    (``paddle_hybrid.launch`` to start as a user of the plugin's launcher does)."""
+    :func:`save_result` object, indexed by rank."""
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}.")
     if not os.path.exists(script):
@@ -109,7 +107,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        launcher,
+        "paddle.distributed.launch",
         "--nproc_per_node",
         str(nprocs),
         "--log_dir",

@@ -7,7 +7,9 @@ Losses are compared every step on every rank at rtol 1e-5 (TP partial sums and t
 clipping norm change the float summation order; seen equal to the 8 digits the Trainer logs).
 A resume is compared at steps 3 and 4: step 3 shows the weights were placed, step 4 the
 optimizer state (a tied embedding resumed with fresh Adam moments was off by 1.2e-4 at step 4).
-Skipped where PaddleFormers 1.2.0 cannot run (Paddle < 3.3), as tests/paddleformers/test_paddleformers_llama.py.
+Gated as tests/paddleformers/test_paddleformers_llama.py (its ``paddleformers_version`` fixture):
+skipped on Paddle < 3.3, where PaddleFormers 1.2.0 cannot run; a failure naming the install line
+where it is missing.
 """
 import json
 import os
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 from paddle_hybrid.testing import LaunchError
+from test_paddleformers_llama import paddleformers_version  # noqa: F401  (the fixture: skip / fail / ok)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "paddleformers_trainer.py")
@@ -34,15 +37,6 @@ LAYOUTS = {  # name: (processes, flags); DP and sharding halve the per-device ba
     "sharding2": (2, ["--sharding", "stage1", "--sharding_parallel_size", "2", "--per_device_train_batch_size", "1"]),
     "tp2pp2": (4, ["--tensor_model_parallel_size", "2", "--pipeline_model_parallel_size", "2"]),
 }
-
-
-def _paddleformers_ok():
-    import paddle
-
-    major, minor = (int(p) for p in paddle.__version__.split(".")[:2])
-    if (major, minor) != (0, 0) and (major, minor) < (3, 3):
-        pytest.skip(f"PaddleFormers 1.2.0 needs Paddle >= 3.3 (it imports paddle.nn.functional.swiglu); "
-                    f"this is Paddle {paddle.__version__}")
 
 
 def _env():
@@ -79,8 +73,7 @@ def run(work, name, nprocs, flags, model, env_extra=None, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    _paddleformers_ok()
+def work(tmp_path_factory, paddleformers_version):
     work = str(tmp_path_factory.mktemp("trainer"))
     model = os.path.join(work, "tiny-llama")
     subprocess.run([sys.executable, SCRIPT, "write-tiny-model", model], env=_env(), check=True,

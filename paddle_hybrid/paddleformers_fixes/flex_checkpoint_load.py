@@ -1,4 +1,6 @@
-"""The Trainer's flex-checkpoint resume gives a parameter fresh optimizer moments, silently, when
+"""The Trainer's flex-checkpoint resume (``Trainer._load_flex_checkpoint``): two defects.
+
+Silent fresh moments: the resume gives a parameter fresh optimizer moments, silently, when
 the checkpoint holds no state under the name this layout gives it.
 
 ``Trainer._load_flex_checkpoint`` first creates optimizer accumulators (``init_optimizer``) only
