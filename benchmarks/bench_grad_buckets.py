@@ -33,7 +33,7 @@ def worker(args):
     import paddle_hybrid  # noqa: F401
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
-    from paddle_hybrid.grad_buckets import GradBuckets
+    from paddle_hybrid.dygraph.grad_buckets import GradBuckets
     from paddle_hybrid.testing import save_result
 
     paddle.set_device("cpu")

@@ -4,7 +4,7 @@ Builds stage 0 of a static pipeline with Paddle's ``PipelineOptimizer`` (a model
 of ``--branches`` parallel chains of fc layers over ``--stages`` stages, so
 stage 0 sends ``--branches`` activations forward per microbatch; see
 ``paddle_hybrid/testing/static_programs.py``), then applies
-``paddle_hybrid.send_wait.rewrite`` to identical copies
+``paddle_hybrid.static.send_wait.rewrite`` to identical copies
 
 * ``per-insert``: every insert/remove syncs the block (``Block._insert_op``),
 * ``deferred``:   as shipped, inside ``program_edit.deferred_sync``,
@@ -29,9 +29,9 @@ sys.path.insert(0, ROOT)
 import paddle  # noqa: E402
 
 import paddle_hybrid  # noqa: E402,F401
-from paddle_hybrid.program_edit import count_syncs  # noqa: E402
-from paddle_hybrid.send_wait import check_send_lifetimes  # noqa: E402
-from paddle_hybrid.send_wait import rewrite as pass_module  # noqa: E402
+from paddle_hybrid.common.program_edit import count_syncs  # noqa: E402
+from paddle_hybrid.static.send_wait import check_send_lifetimes  # noqa: E402
+from paddle_hybrid.static.send_wait import rewrite as pass_module  # noqa: E402
 from paddle_hybrid.testing.static_programs import build_pipeline_program, program_signature  # noqa: E402
 
 

@@ -31,7 +31,7 @@ class CollectiveClock:
     def __init__(self):
         import paddle.distributed as dist
 
-        from paddle_hybrid.patching import Patcher
+        from paddle_hybrid.registry.patching import Patcher
 
         self.seconds, self.calls = 0.0, 0
         self._patcher = Patcher("bench_tensor_parallel", "nothing (a benchmark instrument)")

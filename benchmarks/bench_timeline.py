@@ -47,7 +47,7 @@ def span_cost_s(n=20000) -> float:
     """Seconds one recorded event costs on this rank (wall clock; CPU)."""
     import time
 
-    from paddle_hybrid.timeline.recorder import Recorder
+    from paddle_hybrid.dygraph.timeline.recorder import Recorder
 
     rec = Recorder()
     rec.begin_step(0)

@@ -27,8 +27,8 @@ from paddle.utils import unique_name
 
 import paddle_hybrid  # noqa: F401
 from paddle_hybrid import ops
-from paddle_hybrid.program_edit import deferred_sync
-from paddle_hybrid.fused_allreduce import StaticRunner, ensure_process_group, translate_with_repair
+from paddle_hybrid.common.program_edit import deferred_sync
+from paddle_hybrid.static.fused_allreduce import StaticRunner, ensure_process_group, translate_with_repair
 from paddle_hybrid.testing import save_result
 
 

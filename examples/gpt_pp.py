@@ -478,7 +478,7 @@ def main(argv=None) -> dict:
     fleet.init(is_collective=True, strategy=make_strategy(args))
     hcg = fleet.get_hybrid_communicate_group()
     if args.timeline:
-        paddle_hybrid.timeline.enable()
+        paddle_hybrid.dygraph.timeline.enable()
     rank = dist.get_rank()
     replicas, replica, data_groups = data_parallel_layout(args, hcg)
 
@@ -548,7 +548,7 @@ def main(argv=None) -> dict:
         "wall_s": total,
     }
     if args.timeline:  # collective: every rank hands its events to rank 0
-        timeline = paddle_hybrid.timeline.finish(args.out_dir, num_stages=args.pp, num_micro=args.accumulate_steps,
+        timeline = paddle_hybrid.dygraph.timeline.finish(args.out_dir, num_stages=args.pp, num_micro=args.accumulate_steps,
                                                  num_chunks=args.vp, tag=f"{layout_tag(args)}_timeline")
         if timeline is not None:
             summary["timeline"] = {"trace": timeline["trace"], "png": timeline["png"],

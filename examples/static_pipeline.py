@@ -174,7 +174,7 @@ def train(args) -> dict:
     from paddle.distributed import fleet
 
     import paddle_hybrid  # noqa: F401  (fleet's static pipeline on CPU, send-wait)
-    from paddle_hybrid.send_wait import check_send_lifetimes
+    from paddle_hybrid.static.send_wait import check_send_lifetimes
 
     paddle.enable_static()
     data = ContextData(args)

@@ -1,16 +1,17 @@
 """paddle_hybrid: faster, easier hybrid-parallel training for PaddlePaddle fleet.
 
-``import paddle_hybrid`` before ``fleet.init`` loads the plugin's custom ops and
-installs its components once (see :mod:`paddle_hybrid._install`);
-:func:`uninstall` undoes them.
+``import paddle_hybrid`` before ``fleet.init`` loads the plugin's custom ops and installs its
+components once (see :mod:`paddle_hybrid.registry`); :func:`uninstall` undoes them.
 """
-from . import _env_at_start  # noqa: F401  (first: records the environment before Paddle changes it)
-from . import fused_allreduce, ops, send_wait, timeline
-from ._install import (InstallError, current_config, install, install_component, installed_components, patches,
-                       report, uninstall, uninstall_component)
+from .registry import env_at_start  # noqa: F401  (first: records the environment before Paddle changes it)
+from . import ops
 from .config import PluginConfig
-from .grad_buckets import BucketLayoutError, GradBuckets, GradSyncError
-from .cuda_graph import CUDAGraphedLayer, GraphPool
+from .dygraph import timeline
+from .dygraph.cuda_graph import CUDAGraphedLayer, GraphPool
+from .dygraph.grad_buckets import BucketLayoutError, GradBuckets, GradSyncError
+from .registry.install import (InstallError, current_config, install, install_component, installed_components,
+                               patches, report, uninstall, uninstall_component)
+from .static import fused_allreduce, send_wait
 
 __version__ = "0.1.0"
 

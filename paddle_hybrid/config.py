@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .layout_check import DEFAULT_TIMEOUT as _LAYOUT_CHECK_TIMEOUT
+from .common.layout_check import DEFAULT_TIMEOUT as _LAYOUT_CHECK_TIMEOUT
 
-__all__ = ["PluginConfig"]
+__all__ = ["PluginConfig", "ENVIRONMENT", "AUTO_ON_OFF", "TIMEOUT_RANGE"]
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -32,6 +32,10 @@ def _env_tristate(name: str) -> bool | None:
     return _env_bool(name, False)
 
 
+def _env_auto_on_off(name: str, default: str) -> str:
+    return (os.environ.get(name) or default).strip().lower()
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -51,6 +55,37 @@ def _env_float(name: str, default: float) -> float:
     except ValueError:
         raise ValueError(f"paddle_hybrid: environment variable {name}={raw!r} is not a number.") from None
 
+
+# The environment variable of every field (PluginConfig.from_env reads them; messages name them).
+ENVIRONMENT = {
+    "register_meta_optimizers": "PADDLE_HYBRID_META_OPTIMIZERS",
+    "reshard_deferred_sync": "PADDLE_HYBRID_RESHARD_DEFERRED_SYNC",
+    "pipeline_send_wait": "PADDLE_HYBRID_PIPELINE_SEND_WAIT",
+    "cpu_hybrid": "PADDLE_HYBRID_CPU_HYBRID",
+    "expert_parallel": "PADDLE_HYBRID_EXPERT_PARALLEL",
+    "fleet_fixes": "PADDLE_HYBRID_FLEET_FIXES",
+    "paddleformers_fixes": "PADDLE_HYBRID_PADDLEFORMERS_FIXES",
+    "grad_buckets": "PADDLE_HYBRID_GRAD_BUCKETS",
+    "grad_bucket_max_params": "PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS",
+    "static_fuse_allreduce": "PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE",
+    "static_layout_check_timeout": "PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT",
+    "static_pipeline": "PADDLE_HYBRID_STATIC_PIPELINE",
+    "static_pipeline_timeout": "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT",
+    "auto_parallel_cpu": "PADDLE_HYBRID_AUTO_PARALLEL_CPU",
+    "pipeline_cudagraph": "PADDLE_HYBRID_PIPELINE_CUDAGRAPH",
+    "allow_unrun": "PADDLE_HYBRID_ALLOW_UNRUN",
+    "cuda_graph_warmup_steps": "PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS",
+    "cuda_malloc_async": "PADDLE_HYBRID_CUDA_MALLOC_ASYNC",
+    "cpu_blas_vendor_fix": "PADDLE_HYBRID_CPU_BLAS",
+    "timeline": "PADDLE_HYBRID_TIMELINE",
+    "force_unverified": "PADDLE_HYBRID_FORCE",
+}
+
+# The fields set "auto", "on" or "off" (how each is decided: paddle_hybrid.registry.gate).
+AUTO_ON_OFF = ("cpu_hybrid", "expert_parallel", "static_pipeline", "auto_parallel_cpu")
+
+# How from_env reads a field, by its annotation.
+_KIND = {"bool": bool, "bool | None": "tristate", "int": int, "float": float, "str": "auto_on_off"}
 
 # Deadlines the user sets: at least a second (the stores and rings count whole seconds, so less
 # would become 0: no deadline at all) and at most a day (inf or 1e30 overflow the C++ side).
@@ -76,38 +111,38 @@ class PluginConfig:
 
     reshard_deferred_sync: bool = True
     """Legacy auto-parallel ``Resharder.reshard`` edits programs without a ``_sync_with_cpp``
-    per inserted op (:mod:`paddle_hybrid.reshard`) (``PADDLE_HYBRID_RESHARD_DEFERRED_SYNC``)."""
+    per inserted op (:mod:`paddle_hybrid.static.reshard`) (``PADDLE_HYBRID_RESHARD_DEFERRED_SYNC``)."""
 
     pipeline_send_wait: bool | None = None
     """With fleet ``strategy.pipeline`` (static), replace the waits for forward sends by a ``ph_nop``
-    after the matching backward recv (:mod:`paddle_hybrid.send_wait`)
-    (``PADDLE_HYBRID_PIPELINE_SEND_WAIT``).  Tri-state (:mod:`paddle_hybrid.device_rule`): None
+    after the matching backward recv (:mod:`paddle_hybrid.static.send_wait`)
+    (``PADDLE_HYBRID_PIPELINE_SEND_WAIT``).  Tri-state (:mod:`paddle_hybrid.registry.gate`): None
     is on only on a build without an accelerator, True opts in everywhere, False is off."""
 
     cpu_hybrid: str = "auto"
-    """Patch fleet so dygraph hybrid parallel runs on CPU over gloo (:mod:`paddle_hybrid.cpu`):
+    """Patch fleet so dygraph hybrid parallel runs on CPU over gloo (:mod:`paddle_hybrid.dygraph.cpu`):
     ``"auto"`` when Paddle is not compiled with CUDA, ``"on"`` always, ``"off"`` never
     (``PADDLE_HYBRID_CPU_HYBRID``)."""
 
     expert_parallel: str = "auto"
-    """Expert parallelism on CPU over gloo (:mod:`paddle_hybrid.expert_parallel`): the gloo
+    """Expert parallelism on CPU over gloo (:mod:`paddle_hybrid.dygraph.expert_parallel`): the gloo
     all-to-all family, ``global_scatter``/``global_gather`` and the MoE routing kernels on CPU:
     ``"auto"`` on a build with no accelerator, ``"on"`` on any build (each replacement still
     hands non-gloo groups and device tensors to Paddle), ``"off"`` never
     (``PADDLE_HYBRID_EXPERT_PARALLEL``)."""
 
     fleet_fixes: bool = True
-    """Fix fleet defects that give wrong numbers on any device (:mod:`paddle_hybrid.fleet_fixes`:
+    """Fix fleet defects that give wrong numbers on any device (:mod:`paddle_hybrid.dygraph.fleet_fixes`:
     global-norm clipping with weights shared between pipeline stages; no data-parallel gradient
     sync for a one-stage ``PipelineLayer``) (``PADDLE_HYBRID_FLEET_FIXES``)."""
 
     paddleformers_fixes: bool = True
     """Fix PaddleFormers defects that stop its Trainer on any device, once PaddleFormers is
-    imported (:mod:`paddle_hybrid.paddleformers_fixes`) (``PADDLE_HYBRID_PADDLEFORMERS_FIXES``)."""
+    imported (:mod:`paddle_hybrid.dygraph.paddleformers_fixes`) (``PADDLE_HYBRID_PADDLEFORMERS_FIXES``)."""
 
     grad_buckets: bool | None = None
     """Let the fleet strategy's ``fuse_all_reduce_ops`` turn on the plugin's fused gradient
-    buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.grad_buckets`); False keeps
+    buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.dygraph.grad_buckets`); False keeps
     Paddle's own gradient sync (``PADDLE_HYBRID_GRAD_BUCKETS``).  Tri-state, as
     ``pipeline_send_wait``."""
 
@@ -117,7 +152,7 @@ class PluginConfig:
 
     static_fuse_allreduce: bool | None = None
     """Let fleet apply the plugin's static fused all_reduce meta optimizer
-    (:mod:`paddle_hybrid.fused_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``).  Tri-state,
+    (:mod:`paddle_hybrid.static.fused_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``).  Tri-state,
     as ``pipeline_send_wait``."""
 
     static_layout_check_timeout: float = _LAYOUT_CHECK_TIMEOUT
@@ -126,7 +161,7 @@ class PluginConfig:
 
     static_pipeline: str = "auto"
     """Run fleet's legacy static pipeline (``strategy.pipeline``) with micro-batches in ``exe.run``
-    (:mod:`paddle_hybrid.static_pipeline`): ``"auto"`` on a build with no accelerator (CPU over
+    (:mod:`paddle_hybrid.static.static_pipeline`): ``"auto"`` on a build with no accelerator (CPU over
     gloo), ``"on"`` also on an accelerator build (never run there), ``"off"`` never
     (``PADDLE_HYBRID_STATIC_PIPELINE``)."""
 
@@ -136,13 +171,13 @@ class PluginConfig:
 
     auto_parallel_cpu: str = "auto"
     """Let legacy auto-parallel ``Engine.fit`` run on CPU over gloo
-    (:mod:`paddle_hybrid.auto_parallel_cpu`): ``"auto"`` on a build with no accelerator, ``"on"``,
+    (:mod:`paddle_hybrid.static.auto_parallel_cpu`): ``"auto"`` on a build with no accelerator, ``"on"``,
     ``"off"`` (``PADDLE_HYBRID_AUTO_PARALLEL_CPU``)."""
 
     pipeline_cudagraph: bool | None = None
     """``PipelineLayer(use_cudagraph=True)`` builds the plugin's ``CUDAGraphedLayer`` (every
     parameter trained, one shared memory pool per model) instead of Paddle's
-    (:mod:`paddle_hybrid.cuda_graph.pipeline`) (``PADDLE_HYBRID_PIPELINE_CUDAGRAPH``).  Tri-state,
+    (:mod:`paddle_hybrid.dygraph.cuda_graph.pipeline`) (``PADDLE_HYBRID_PIPELINE_CUDAGRAPH``).  Tri-state,
     as ``pipeline_send_wait``; it also decides whether ``CUDAGraphedLayer(backend="auto")`` may
     pick the CUDA backend."""
 
@@ -167,8 +202,8 @@ class PluginConfig:
     paddle_hybrid.launch`` (``PADDLE_HYBRID_CPU_BLAS``)."""
 
     timeline: bool = False
-    """Record a per-rank timeline of every pipeline ``train_batch`` (:mod:`paddle_hybrid.timeline`;
-    :func:`paddle_hybrid.timeline.finish` writes it) (``PADDLE_HYBRID_TIMELINE``)."""
+    """Record a per-rank timeline of every pipeline ``train_batch`` (:mod:`paddle_hybrid.dygraph.timeline`;
+    :func:`paddle_hybrid.dygraph.timeline.finish` writes it) (``PADDLE_HYBRID_TIMELINE``)."""
 
     force_unverified: tuple = ()
     """Components to install even on a Paddle version they were not verified on: short names as
@@ -186,18 +221,11 @@ class PluginConfig:
         if not isinstance(self.force_unverified, tuple) or not all(isinstance(n, str) for n in self.force_unverified):
             raise TypeError("PluginConfig.force_unverified must be a tuple of component names, got "
                             f"{self.force_unverified!r} (PADDLE_HYBRID_FORCE).")
-        if self.cpu_hybrid not in ("auto", "on", "off"):
-            raise ValueError(f"PluginConfig.cpu_hybrid must be 'auto', 'on' or 'off', got {self.cpu_hybrid!r} "
-                             "(environment variable PADDLE_HYBRID_CPU_HYBRID).")
-        if self.expert_parallel not in ("auto", "on", "off"):
-            raise ValueError(f"PluginConfig.expert_parallel must be 'auto', 'on' or 'off', got "
-                             f"{self.expert_parallel!r} (environment variable PADDLE_HYBRID_EXPERT_PARALLEL).")
-        if self.static_pipeline not in ("auto", "on", "off"):
-            raise ValueError(f"PluginConfig.static_pipeline must be 'auto', 'on' or 'off', got "
-                             f"{self.static_pipeline!r} (environment variable PADDLE_HYBRID_STATIC_PIPELINE).")
-        if self.auto_parallel_cpu not in ("auto", "on", "off"):
-            raise ValueError(f"PluginConfig.auto_parallel_cpu must be 'auto', 'on' or 'off', got "
-                             f"{self.auto_parallel_cpu!r} (environment variable PADDLE_HYBRID_AUTO_PARALLEL_CPU).")
+        for name in AUTO_ON_OFF:
+            value = getattr(self, name)
+            if value not in ("auto", "on", "off"):
+                raise ValueError(f"PluginConfig.{name} must be 'auto', 'on' or 'off', got {value!r} "
+                                 f"(environment variable {ENVIRONMENT[name]}).")
         _check_seconds("static_pipeline_timeout", self.static_pipeline_timeout, "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT")
         if (not isinstance(self.grad_bucket_max_params, int) or isinstance(self.grad_bucket_max_params, bool)
                 or self.grad_bucket_max_params < 0):
@@ -212,27 +240,13 @@ class PluginConfig:
 
     @classmethod
     def from_env(cls) -> "PluginConfig":
-        return cls(
-            register_meta_optimizers=_env_bool("PADDLE_HYBRID_META_OPTIMIZERS", True),
-            reshard_deferred_sync=_env_bool("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", True),
-            pipeline_send_wait=_env_tristate("PADDLE_HYBRID_PIPELINE_SEND_WAIT"),
-            cpu_hybrid=(os.environ.get("PADDLE_HYBRID_CPU_HYBRID") or "auto").strip().lower(),
-            expert_parallel=(os.environ.get("PADDLE_HYBRID_EXPERT_PARALLEL") or "auto").strip().lower(),
-            fleet_fixes=_env_bool("PADDLE_HYBRID_FLEET_FIXES", True),
-            paddleformers_fixes=_env_bool("PADDLE_HYBRID_PADDLEFORMERS_FIXES", True),
-            grad_buckets=_env_tristate("PADDLE_HYBRID_GRAD_BUCKETS"),
-            grad_bucket_max_params=_env_int("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", 0),
-            static_fuse_allreduce=_env_tristate("PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE"),
-            static_layout_check_timeout=_env_float("PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT", _LAYOUT_CHECK_TIMEOUT),
-            static_pipeline=(os.environ.get("PADDLE_HYBRID_STATIC_PIPELINE") or "auto").strip().lower(),
-            static_pipeline_timeout=_env_float("PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT", 120.0),
-            auto_parallel_cpu=(os.environ.get("PADDLE_HYBRID_AUTO_PARALLEL_CPU") or "auto").strip().lower(),
-            pipeline_cudagraph=_env_tristate("PADDLE_HYBRID_PIPELINE_CUDAGRAPH"),
-            cuda_graph_warmup_steps=_env_int("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", 3),
-            allow_unrun=_env_bool("PADDLE_HYBRID_ALLOW_UNRUN", False),
-            cuda_malloc_async=_env_bool("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", False),
-            cpu_blas_vendor_fix=_env_bool("PADDLE_HYBRID_CPU_BLAS", True),
-            timeline=_env_bool("PADDLE_HYBRID_TIMELINE", False),
-            force_unverified=tuple(n.strip() for n in os.environ.get("PADDLE_HYBRID_FORCE", "").split(",")
-                                   if n.strip()),
-        )
+        readers = {bool: _env_bool, "tristate": lambda name, _default: _env_tristate(name), int: _env_int,
+                   float: _env_float, "auto_on_off": _env_auto_on_off}
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name == "force_unverified":
+                continue
+            values[field.name] = readers[_KIND[field.type]](ENVIRONMENT[field.name], field.default)
+        values["force_unverified"] = tuple(n.strip() for n in os.environ.get(ENVIRONMENT["force_unverified"], "")
+                                           .split(",") if n.strip())
+        return cls(**values)

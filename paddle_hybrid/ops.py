@@ -19,7 +19,7 @@ Modes:
   ``ph_coalesce_tensor`` op keeps running after translation to PIR with *copy
   semantics*: ``FusedOutput`` is a packed copy with the same layout and
   ``Output`` keeps the input values; passes that execute through PIR copy
-  results back explicitly (see ``paddle_hybrid.fused_allreduce``).
+  results back explicitly (see ``paddle_hybrid.static.fused_allreduce``).
 """
 from __future__ import annotations
 

@@ -25,3 +25,12 @@ def _dygraph_cpu():
 @pytest.fixture
 def repo_root():
     return ROOT
+
+
+@pytest.fixture
+def plugin_restored():
+    """Whatever a test does to the registry, the plugin is installed as before afterwards."""
+    config = paddle_hybrid.current_config()
+    yield
+    paddle_hybrid.uninstall()
+    paddle_hybrid.install(config)

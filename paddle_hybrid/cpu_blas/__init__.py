@@ -23,17 +23,12 @@ from __future__ import annotations
 import os
 import warnings
 
-from .._install import ComponentSkipped
+from ..registry.component import Component, ComponentSkipped
 from . import machine
 from .decision import VALUE, VARIABLE, Decision, Facts, decide, format_version
 
-__all__ = ["VERIFIED_PADDLE", "SWITCH", "skip_reason", "apply", "worker_environment", "shell_export",
+__all__ = ["COMPONENT", "apply", "worker_environment", "shell_export",
            "CpuBlasWarning", "decide", "Facts", "Decision", "VARIABLE", "VALUE"]
-
-# Reads no Paddle API, only the MKL file of Paddle's wheel; both versions bundle MKL 2019.0.5.
-VERIFIED_PADDLE = ("3.2.", "3.3.")
-SWITCH = "PADDLE_HYBRID_CPU_BLAS=0 (PluginConfig(cpu_blas_vendor_fix=False))"
-
 
 class CpuBlasWarning(RuntimeWarning):
     """MKL already chose its kernels before the plugin could set ``MKL_DEBUG_CPU_TYPE``."""
@@ -45,13 +40,13 @@ class _TooLate(ComponentSkipped):
 
 _own_value: str | None = None  # the value this component set in this process
 _too_late: str | None = None  # set once MKL was found to have chosen already: warned once
-_pending: tuple[Facts, Decision] | None = None  # skip_reason's decision, for apply
+_pending: tuple[Facts, Decision] | None = None  # not_wanted's decision, for apply
 
 
-def skip_reason(config) -> str | None:
+def not_wanted(config) -> str | None:
+    """Why this machine does not want the variable set (not an AMD CPU, an MKL that does not
+    read it, the user's own value), or None."""
     global _pending
-    if not config.cpu_blas_vendor_fix:
-        return "off (PADDLE_HYBRID_CPU_BLAS=0)"
     if _too_late:
         return _too_late
     facts = machine.gather(os.environ, _own_value)
@@ -83,7 +78,7 @@ def apply(config, patcher) -> str:
     global _own_value, _too_late
     facts, decision = _pending if _pending else (None, None)
     if decision is None or not decision.set_value:
-        raise RuntimeError("paddle_hybrid.cpu_blas: apply() without a decision from skip_reason().")
+        raise RuntimeError("paddle_hybrid.cpu_blas: apply() without a decision from not_wanted().")
     path, _ = machine.mkl_path(os.environ)
     mapped_before = machine.mapped_mkl() is not None
     previous = os.environ.get(VARIABLE)
@@ -107,10 +102,9 @@ def apply(config, patcher) -> str:
 def _worker_decision(environ, config) -> Decision:
     """The component's decision for a new process started with ``environ``; a value set by this
     plugin in this process does not count as the user's."""
-    from .._install import current_config
     from ..config import PluginConfig
 
-    config = config or current_config() or PluginConfig.from_env()
+    config = config or COMPONENT.config or PluginConfig.from_env()
     if not config.cpu_blas_vendor_fix:
         return Decision(None, "off (PADDLE_HYBRID_CPU_BLAS=0)")
     return decide(machine.gather(os.environ if environ is None else environ, _own_value))
@@ -126,3 +120,7 @@ def shell_export(environ=None, config=None) -> tuple[str, str]:
     """``(shell line or "", reason)`` for ``scripts/env.sh``."""
     decision = _worker_decision(environ, config)
     return (f"export {VARIABLE}={decision.set_value}\n" if decision.set_value else ""), decision.reason
+
+
+# Reads no Paddle API, only the MKL file of Paddle's wheel; both versions bundle MKL 2019.0.5.
+COMPONENT = Component("cpu_blas", ("3.2.", "3.3."), "cpu_blas_vendor_fix", apply, not_wanted=not_wanted)

@@ -20,7 +20,7 @@ Also, before Paddle's launcher starts:
 * ``OMP_NUM_THREADS`` = usable cores // processes per node (at least 1), unless the user set
   it: ``import paddle`` sets it to 1 when unset, so under Paddle's launcher every worker of a
   machine with more cores than workers uses one core for its kernels.  Whether the user set it
-  is read before Paddle is imported (:mod:`paddle_hybrid._env_at_start`);
+  is read before Paddle is imported (:mod:`paddle_hybrid.registry.env_at_start`);
 * ``MKL_DEBUG_CPU_TYPE=5`` when :mod:`paddle_hybrid.cpu_blas` decides so for this machine (an
   AMD CPU and a Paddle MKL that honours it) and the user has not set it: in the worker's
   environment from its start, it works even if the script runs a matmul before any import.
@@ -123,8 +123,8 @@ def launch_environment(args, environ) -> dict[str, str]:
 
 def environ_as_the_user_set_it() -> dict[str, str]:
     """``os.environ`` without the ``OMP_NUM_THREADS=1`` that ``import paddle`` adds when the
-    user has not set it (see :mod:`paddle_hybrid._env_at_start`)."""
-    from .. import _env_at_start
+    user has not set it (see :mod:`paddle_hybrid.registry.env_at_start`)."""
+    from ..registry import env_at_start as _env_at_start
 
     environ = dict(os.environ)
     if not _env_at_start.PADDLE_WAS_IMPORTED and _env_at_start.OMP_NUM_THREADS is None:

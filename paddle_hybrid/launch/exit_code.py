@@ -10,7 +10,7 @@ i.e. had already exited with a non-zero code when Paddle's launcher began to sto
 none had (the user pressed Ctrl-C, a peer node failed), Paddle's rule stands.
 
 Two methods of Paddle's ``Pod`` are wrapped, in the launcher's process only, through a
-:class:`~paddle_hybrid.patching.Patcher` that :func:`root_cause_exit_code` reverts on the way out:
+:class:`~paddle_hybrid.registry.patching.Patcher` that :func:`root_cause_exit_code` reverts on the way out:
 
 * ``stop``: at the first stop after a deploy, record the codes of the workers that have exited
   with a non-zero code (before any signal is sent);
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from ..patching import Patcher, describe_versions, version_supported
+from ..registry.patching import Patcher, describe_versions, version_supported
 
 __all__ = ["VERIFIED_PADDLE", "root_cause_exit_code", "own_failures"]
 

@@ -193,19 +193,23 @@ def pipeline_places_on_cpu():
     Its last step indexes ``place_list``, which it fills only when Paddle is
     compiled with CUDA; everything before (the section program) is built
     already.  Inside this context the pipeline module sees a ``core`` whose
-    ``is_compiled_with_cuda()`` is True and whose ``CUDAPlace`` is a CPUPlace.
-    Restored on exit.
+    ``is_compiled_with_cuda()`` is True and whose ``CUDAPlace`` is a CPUPlace: the static_pipeline
+    component's device answer, made here through a patcher of its own (the component answers
+    only inside its ``minimize`` wrapper, and may be off).  Restored on exit.
     """
     import paddle.incubate.optimizer.pipeline as pipeline_module
 
-    from ..static_pipeline import _CpuPlacesCore  # the view the static_pipeline component uses
+    from ..registry import device
+    from ..registry.patching import Patcher
+    from ..static.static_pipeline import CPU_PLACE_ANSWERS
 
-    real = pipeline_module.core
-    pipeline_module.core = _CpuPlacesCore(real)
+    patcher = Patcher("paddle_hybrid.testing.pipeline_places_on_cpu", "PADDLE_HYBRID_STATIC_PIPELINE=off")
+    patcher.answer(pipeline_module, "core", CPU_PLACE_ANSWERS, when=lambda: not device.cuda_build(),
+                   why="pipeline_places_on_cpu")
     try:
         yield
     finally:
-        pipeline_module.core = real
+        patcher.revert()
 
 
 def build_pipeline_program(stage, *, stages=2, schedule="1F1B", recompute=False, branches=1, width=8,

@@ -142,7 +142,7 @@ with warnings.catch_warnings(record=True) as caught:
     import paddle_hybrid
 from paddle_hybrid import cpu_blas
 from paddle_hybrid.cpu_blas import machine
-state = paddle_hybrid._install.component_state("cpu_blas")
+state = paddle_hybrid.registry.install.component_state("cpu_blas")
 path, _ = machine.mkl_path(os.environ)
 print(json.dumps({{"env": os.environ.get("MKL_DEBUG_CPU_TYPE"), "status": state.status, "reason": state.reason,
                   "cpu_type": machine.mkl_cpu_type(path) if path else None,

@@ -1,7 +1,7 @@
 """A user's fleet script with NO ``import paddle_hybrid``: run by the tests of
 ``python -m paddle_hybrid.launch`` (and, to see it fail, by Paddle's own launcher).
 
-``--mode train``: the shared test pipeline model (``tests/hybrid/pipeline_models.py``) as a fleet
+``--mode train``: the shared test pipeline model (``tests/dygraph/cpu/pipeline_models.py``) as a fleet
 ``PipelineLayer`` with ``--pp`` stages, ``--steps`` ``train_batch`` steps of SGD.
 ``--mode env``: no Paddle at all; records what the process was started with.
 ``--mode fail``: rank ``--fail-rank`` raises (or exits with ``--exit-code``), the others finish,
@@ -34,7 +34,7 @@ def _train(args) -> list:
     import paddle
     from paddle.distributed import fleet
 
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "hybrid"))
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "dygraph", "cpu"))
     import pipeline_models as models
 
     paddle.set_device("cpu")
@@ -69,7 +69,7 @@ def main() -> None:
               "path0": sys.path[0], "omp": os.environ.get("OMP_NUM_THREADS"), "file": __file__,
               "mkl_env": os.environ.get("MKL_DEBUG_CPU_TYPE")}
     if PLUGIN_BEFORE_FIRST_LINE:  # what the plugin's cpu_blas component saw at its start
-        state = sys.modules["paddle_hybrid"]._install.component_state("cpu_blas")
+        state = sys.modules["paddle_hybrid.registry.install"].component_state("cpu_blas")
         result["cpu_blas"] = [state.status, state.reason]
     if args.mode == "fail" and _rank() == args.fail_rank:
         if args.exit_code:

@@ -18,7 +18,7 @@ from paddle_hybrid import launch as ph_launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "plain_script.py")
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "hybrid"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "dygraph", "cpu"))
 import pipeline_models as models  # noqa: E402
 import plain_script  # noqa: E402
 

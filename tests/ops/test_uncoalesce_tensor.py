@@ -1,13 +1,13 @@
 """paddle_hybrid.ops.uncoalesce_tensor: the copy back from a fused buffer,
 in dygraph, legacy static, PIR, and in a legacy program translated to PIR
-(where paddle_hybrid.fused_allreduce.pir_repair repairs Paddle's translation of in-place
+(where paddle_hybrid.static.fused_allreduce.pir_repair repairs Paddle's translation of in-place
 vector outputs and points later readers at the op's results)."""
 import numpy as np
 import paddle
 import pytest
 
 from paddle_hybrid import ops
-from paddle_hybrid.fused_allreduce.pir_repair import translate_with_repair
+from paddle_hybrid.static.fused_allreduce.pir_repair import translate_with_repair
 
 
 @pytest.mark.parametrize("use_align,align_size", [(False, -1), (True, -1), (True, 64)])

@@ -4,7 +4,7 @@
 Run as ``python tests/registry/registry_snapshot.py CASE`` (one case per process: each installs
 the plugin once, in a state a user can reach); prints JSON.  ``CASES`` names each case's
 environment; a case whose name starts with ``cuda`` fakes a CUDA build of Paddle (the way
-``tests/unit/test_device_rule.py`` does) before the plugin installs.
+``tests/registry/test_device_rule.py`` does) before the plugin installs.
 """
 import json
 import os

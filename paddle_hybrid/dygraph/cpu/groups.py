@@ -1,0 +1,168 @@
+"""Gloo groups: a private rendezvous store per group, and one 2-rank group per pair of
+pipeline neighbours.
+
+1. Creating gloo groups fails now and then at start-up (``Connection refused``, a pair
+   ``TIMEOUT`` or a hang; ~40% of 3-rank launches of stock Paddle 3.3.1 here).
+   ``core.ProcessGroupGloo.create(store, rank, size, gid)`` runs two rendezvous: one on
+   ``PrefixStore(str(gid), store)`` and a second, in the ``ProcessGroupGloo`` constructor,
+   on the *bare* store under the keys "0" .. str(size - 1).  Those keys are shared by every
+   gloo group of the job and a TCPStore cannot delete keys, so a rank that reaches the
+   second rendezvous before a peer has overwritten its key reads the peer's address from
+   an *earlier* group.  The window lies inside one C++ call, so barriers and retries
+   cannot close it.  Patch: ``collective._new_process_group_impl`` gives every new gloo
+   group its own TCPStore, hosted by the group's rank 0, whose address is published on the
+   global store under a key unique to the group id.  The port stays reserved from the moment
+   it is picked until the store listens on it (no window for another process to take it),
+   and a group's store is released once the group is destroyed.
+2. Gloo tags every operation with one counter per group, so p2p with two different peers
+   in one pipeline group desynchronises the tags (PP >= 3 hangs).  Patch:
+   ``HybridCommunicateGroup.__init__`` also creates one 2-rank group per pair of ring
+   neighbours, in the same order on every rank, after fleet's own groups, when the pipeline
+   group is gloo (on NCCL/BKCL nothing is added); :mod:`.p2p` sends through them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+
+from ...registry.device import is_gloo
+
+__all__ = ["apply", "pair_group", "pair_list", "group_stores", "reserved_port", "PAIR_GROUPS_ATTR"]
+
+# Attribute of HybridCommunicateGroup holding {peer global rank: 2-rank Group}.
+PAIR_GROUPS_ATTR = "_ph_p2p_pair_groups"
+
+_STORE_KEY = "paddle_hybrid/gloo_group_store/{}"
+# group id -> its private store (and the server rank 0 hosts): kept while the group lives,
+# released at the next group creation after ``destroy_process_group`` removed it.
+group_stores: dict = {}
+
+
+# ---------------------------------------------------------------------------
+# 1. one rendezvous store per gloo group
+# ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def reserved_port():
+    """A free port, held until the ``with`` block ends.
+
+    Picking a port by binding to 0 and closing the socket leaves a window in which another
+    process can take the port before the store binds it.  The socket stays bound (with
+    SO_REUSEADDR, not listening) while the store binds the same port (Paddle's store listens
+    with SO_REUSEADDR, which Linux allows beside a bound, non-listening socket); the kernel
+    hands the port to no one else meanwhile."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", 0))
+        yield s.getsockname()[1]
+
+
+def _release_destroyed_group_stores() -> None:
+    from paddle.distributed.communication.group import _GroupManager
+
+    for gid in [g for g in group_stores if g not in _GroupManager.group_map_by_id]:
+        del group_stores[gid]
+
+
+def _group_store(store, rank, world_size, group_id):
+    from paddle.base import core
+
+    timeout = int(os.getenv("FLAGS_stop_check_timeout", "900"))
+    key = _STORE_KEY.format(group_id)
+    if rank == 0:
+        host = os.getenv("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0] or "127.0.0.1"
+        with reserved_port() as port:
+            store.set(key, f"{host}:{port}")
+            private = core.TCPStore(host, port, True, world_size, timeout)  # returns once all joined
+    else:
+        store.wait(key)
+        host, port = store.get(key).decode().rsplit(":", 1)
+        private = core.TCPStore(host, int(port), False, world_size, timeout)
+    return private
+
+
+def _make_new_pg_impl(orig_impl):
+    @functools.wraps(orig_impl)
+    def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options,
+                                group_id=0, *args, **kwargs):
+        # The group does not exist yet, so its backend name is what says whether it is gloo.
+        if backend == "gloo" and group_id != 0 and world_size > 1 and store is not None:
+            _release_destroyed_group_stores()
+            store = _group_store(store, rank, world_size, group_id)
+            group_stores[group_id] = store
+        return orig_impl(backend, store, rank, world_size, group_name, pg_options, group_id,
+                         *args, **kwargs)
+
+    return _new_process_group_impl
+
+
+# ---------------------------------------------------------------------------
+# 2. per-neighbour p2p groups, made in HybridCommunicateGroup.__init__
+# ---------------------------------------------------------------------------
+
+def pair_list(topo):
+    """Ring-neighbour pairs of every pipeline, in the same order on every rank."""
+    pairs, seen = [], set()
+    for ranks in topo.get_comm_list("pipe"):
+        n = len(ranks)
+        for i in range(n):
+            a, b = ranks[i], ranks[(i + 1) % n]
+            key = (min(a, b), max(a, b))
+            if a != b and key not in seen:
+                seen.add(key)
+                pairs.append(key)
+    return pairs
+
+
+def _make_hcg_init(orig_init):
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        import paddle.distributed as dist
+
+        orig_init(self, *args, **kwargs)
+        groups = {}
+        # Every rank asks the same question of a group with one backend for the whole job, so
+        # either every rank creates every pair group or none does.
+        if self._pp_degree > 1 and is_gloo(self.get_pipe_parallel_group()):
+            for a, b in pair_list(self._topo):  # every rank creates every pair group
+                group = dist.new_group(ranks=[a, b])
+                if self.global_rank == a:
+                    groups[b] = group
+                elif self.global_rank == b:
+                    groups[a] = group
+        setattr(self, PAIR_GROUPS_ATTR, groups)
+
+    return __init__
+
+
+def pair_group(hcg, peer):
+    """The 2-rank gloo group of this rank and pipeline neighbour ``peer``."""
+    groups = getattr(hcg, PAIR_GROUPS_ATTR, None)
+    if groups is None:
+        raise RuntimeError(
+            "paddle_hybrid.dygraph.cpu: the hybrid communicate group was built before paddle_hybrid was "
+            "installed, so it has no per-neighbour p2p groups (gloo needs them). "
+            "Import paddle_hybrid before fleet.init()."
+        )
+    try:
+        return groups[peer]
+    except KeyError:
+        raise RuntimeError(f"paddle_hybrid.dygraph.cpu: no p2p group with rank {peer}; known peers "
+                           f"{sorted(groups)} (pair groups are made only when the pipeline group is "
+                           "gloo).") from None
+
+
+def apply(patcher) -> None:
+    import paddle.distributed.collective as collective
+    from paddle.distributed.fleet.base import topology
+
+    hcg_cls = topology.HybridCommunicateGroup
+    patcher.check_params(hcg_cls.__init__, ["self", "topology", "hybrid_configs"],
+                         "HybridCommunicateGroup.__init__")
+    patcher.check_params(collective._new_process_group_impl,
+                         ["backend", "store", "rank", "world_size", "group_name", "pg_options", "group_id",
+                          "nccl_comm_init_option", "nccl_config"], "collective._new_process_group_impl")
+    patcher.set(collective, "_new_process_group_impl", _make_new_pg_impl(collective._new_process_group_impl))
+    patcher.set(hcg_cls, "__init__", _make_hcg_init(hcg_cls.__init__))

@@ -1,0 +1,46 @@
+"""Fixes of fleet defects that give wrong numbers on every device (GPU included).
+
+============================  ===============================================
+fix                           what it fixes (details in the module docstring)
+============================  ===============================================
+:mod:`.shared_weight_norm`    global-norm clipping counts a weight shared
+                              between pipeline stages once per stage
+:mod:`.no_pipeline_dp`        a one-stage ``PipelineLayer`` under pure data
+                              parallelism never averages its gradients
+:mod:`.sharding_v2_grads`     sharding V2 reduce-scatters zeros from step 2
+                              (``clear_grad``); sharding x DP skips the DP
+                              all-reduce of every slice on step 1
+:mod:`.stage3_param_groups`   group-sharded stage 3 with parameter groups
+                              updates its sliced parameters on step 1 only
+:mod:`.moe_scatter_grad`      ``MoELayer`` with top-k > 1 keeps one route's
+                              gradient of a token instead of their sum
+:mod:`.moe_empty_experts`     ``MoELayer``: a rank whose experts get no token
+                              skips the backward collective (the others hang)
+:mod:`.tied_optimizer_state`  flex checkpoints: a tied weight's optimizer
+                              state saved under one name, looked up under
+                              another, restarts from zero with a warning
+============================  ===============================================
+
+When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
+against Paddle 3.2.x and 3.3.x; on another version the registry skips them with a warning.
+"""
+from __future__ import annotations
+
+from ...registry.component import Component
+from ...registry.patching import Patcher, PatchSignatureError
+
+__all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
+
+FIXES = ["shared_weight_norm", "no_pipeline_dp", "sharding_v2_grads", "stage3_param_groups", "moe_scatter_grad",
+         "moe_empty_experts", "tied_optimizer_state"]
+
+
+def apply(config, patcher: Patcher) -> None:
+    patcher.apply_modules(__name__, FIXES)
+
+
+COMPONENT = Component("fleet_fixes", ("3.2.", "3.3."), "fleet_fixes", apply)
+
+
+def is_active() -> bool:
+    return COMPONENT.is_active()

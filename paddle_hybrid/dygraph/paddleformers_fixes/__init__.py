@@ -1,0 +1,71 @@
+"""Fixes of PaddleFormers defects that stop its ``Trainer`` on every device.
+
+=======================  ==============================================================
+fix                      what it mends (details in the module's docstring)
+=======================  ==============================================================
+:mod:`.grad_norm_hook`   TP / PP / sharding with ``max_grad_norm > 0`` (the default):
+                         ``'AdamW' object has no attribute '_inner_opt'``
+:mod:`.flex_checkpoint_load`  the Trainer's flex-checkpoint resume: a parameter with no
+                         optimizer state restarts its moments silently (now an error);
+                         one process: ``'Fleet' object has no attribute '_hcg'``
+=======================  ==============================================================
+
+PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
+fixes wait for ``paddleformers.trainer.trainer`` (:mod:`.import_hook`) and are made, through this
+component's Patcher, when it is first imported; :func:`paddle_hybrid.patches` lists them from then
+on.  They were written for PaddleFormers ``VERIFIED_PADDLEFORMERS``; with another version the
+fixes are not made and a warning names the version and the switch.
+
+Why fixes and not flags: the first defect is an ``AttributeError`` raised before the first step,
+on GPU as on CPU, and its fix makes PaddleFormers' own line do what it says (record the global
+norm in the training logs); no number a training run computes changes.  The second turns a
+silently wrong resume into an error; a run that resumed correctly is unaffected.
+
+When: ``PluginConfig.paddleformers_fixes`` (``PADDLE_HYBRID_PADDLEFORMERS_FIXES``, default on),
+on any device.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+
+from ...registry.component import Component
+from ...registry.patching import Patcher, describe_versions, version_supported
+
+__all__ = ["COMPONENT", "apply", "VERIFIED_PADDLEFORMERS", "TRAINER_MODULE"]
+
+VERIFIED_PADDLEFORMERS = ("1.2.",)
+TRAINER_MODULE = "paddleformers.trainer.trainer"
+
+
+def _paddleformers_version() -> str:
+    try:
+        return importlib.metadata.version("paddleformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _fix_trainer(patcher: Patcher, trainer_module) -> None:
+    """Phases: version check (warn and leave PaddleFormers alone if unverified), then the fixes."""
+    version = _paddleformers_version()
+    if not version_supported(version, VERIFIED_PADDLEFORMERS):
+        warnings.warn(f"paddle_hybrid.dygraph.paddleformers_fixes: written for PaddleFormers "
+                      f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
+                      f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
+        return
+    from . import grad_norm_hook, flex_checkpoint_load
+
+    grad_norm_hook.apply(patcher, trainer_module)
+    flex_checkpoint_load.apply(patcher, trainer_module)
+
+
+def apply(config, patcher: Patcher) -> str:
+    from .import_hook import when_imported
+
+    cancel = when_imported(TRAINER_MODULE, lambda module: _fix_trainer(patcher, module))
+    patcher.on_revert(cancel, f"the wait for {TRAINER_MODULE}")
+    return f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
+
+
+# Verified on Paddle 3.2 and 3.3: the wait for the import itself (PaddleFormers 1.2 imports only on Paddle >= 3.3).
+COMPONENT = Component("paddleformers_fixes", ("3.2.", "3.3."), "paddleformers_fixes", apply)

@@ -1,0 +1,38 @@
+"""Every component of the plugin, in install order (uninstalled in reverse).
+
+The list is read from each feature's declaration (its package's ``COMPONENT``), so adding a
+feature is one line here and nothing else in the registry.
+"""
+from __future__ import annotations
+
+from ..cpu_blas import COMPONENT as cpu_blas
+from ..dygraph.cpu import COMPONENT as cpu
+from ..dygraph.cuda_graph import COMPONENT as cuda_graph_pipeline
+from ..dygraph.cuda_malloc_async import COMPONENT as cuda_malloc_async
+from ..dygraph.expert_parallel import COMPONENT as expert_parallel
+from ..dygraph.fleet_fixes import COMPONENT as fleet_fixes
+from ..dygraph.grad_buckets import COMPONENT as grad_buckets
+from ..dygraph.paddleformers_fixes import COMPONENT as paddleformers_fixes
+from ..dygraph.timeline import COMPONENT as timeline
+from ..static.auto_parallel_cpu import COMPONENT as auto_parallel_cpu
+from ..static.registration import COMPONENT as registration
+from ..static.reshard import COMPONENT as reshard
+from ..static.static_pipeline import COMPONENT as static_pipeline
+
+__all__ = ["COMPONENTS"]
+
+COMPONENTS = [
+    cpu_blas,  # first: MKL reads its CPU setting at the first BLAS call
+    registration,
+    reshard,
+    cpu,
+    expert_parallel,
+    fleet_fixes,
+    paddleformers_fixes,
+    static_pipeline,
+    auto_parallel_cpu,
+    grad_buckets,  # after fleet_fixes: both wrap HybridParallelOptimizer._hybrid_sync_grad
+    cuda_graph_pipeline,
+    cuda_malloc_async,
+    timeline,
+]

@@ -1,0 +1,191 @@
+"""Gloo rings for fleet's legacy static pipeline, one rendezvous store per ring.
+
+Fleet's static meta optimizers ask ``CollectiveHelper._init_communicator`` for each ring (the
+global ring, and one 2-rank ring per ordered pair of pipeline neighbours).  On a build without
+CUDA or XPU it raises "comm_id must be generated ...": it only knows NCCL/BKCL id ops for the
+startup program.  Here, on such a build, every member of a ring creates a gloo process group for
+it (``core.ProcessGroupGloo`` on the ring's own store, ring ranks as fleet numbers them), which
+:mod:`.lowering`'s point-to-point callbacks send and receive through; nothing is added to the
+startup program.
+
+Why process groups, not ``core.CommContextManager.create_gloo_comm_context`` for legacy ops:
+the executor gives a legacy collective op on CPU its comm context through the one shared CPU
+device context, and sets it only while that context has none
+(``interpreter::SetDeviceCommContext``): the first ring a process uses serves every later op,
+whatever its ``ring_id``.  A middle stage talks to two peers, and 1F1B interleaves the two
+directions, so one context per process cannot carry a pipeline.
+
+Why a store per ring: several gloo contexts rendezvousing on the one global TCP store mixed up
+the rank order of later rings and sometimes timed out on one rank only (RESEARCH.md).  The ring's
+rank 0 hosts a private ``TCPStore`` and publishes its address on the global store under a key
+unique to this call (every rank calls ``_init_communicator`` the same number of times in the same
+order, members or not, so a per-process call counter names the call alike on every rank).
+
+Nothing waits forever: rank 0's address is polled with a deadline, and the private store and the
+gloo rendezvous use the same timeout; an expired wait raises :class:`RingTimeoutError` naming the
+ring and its ranks.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import time
+
+__all__ = ["RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "make_init_process_group", "ring_size",
+           "ring", "ring_store"]
+
+_KEY = "paddle_hybrid/static_ring/{call}/{ring}"
+_GROUP_ID_BASE = 1 << 20  # process-group ids of the rings, clear of paddle.distributed's own
+
+
+class RingTimeoutError(TimeoutError):
+    """A rank of a static ring did not join in time."""
+
+
+class RingInfo:
+    """A ring this process is a member of: id, its rank in it, the global endpoints of its ranks,
+    and (once created) its gloo process group."""
+
+    def __init__(self, ring_id: int, rank: int, endpoints: list):
+        self.ring_id, self.rank, self.endpoints = ring_id, rank, list(endpoints)
+        self.group = None
+
+    @property
+    def nranks(self) -> int:
+        return len(self.endpoints)
+
+    def describe(self) -> str:
+        return f"ring {self.ring_id} (ranks at {', '.join(self.endpoints)}; this process is ring rank {self.rank})"
+
+
+rings: dict = {}
+"""ring id -> :class:`RingInfo` of every ring this process created a gloo context for."""
+
+_calls = itertools.count()
+_stores: list = []  # the private stores live as long as the process (the contexts use them)
+
+
+def ring_size(ring_id: int) -> int:
+    """Number of ranks of ring ``ring_id``; raises naming the fix when this process has no such ring."""
+    return ring(ring_id).nranks
+
+
+def ring(ring_id: int) -> RingInfo:
+    """The :class:`RingInfo` of ``ring_id``; raises naming the fix when this process has no such ring."""
+    info = rings.get(ring_id)
+    if info is None:
+        raise RuntimeError(
+            f"paddle_hybrid.static.static_pipeline: ring {ring_id} has no gloo group in this process; it is created "
+            "when fleet.distributed_optimizer(...).minimize(loss) runs with paddle_hybrid installed. Import "
+            "paddle_hybrid before building the program.")
+    return info
+
+
+def _global_store():
+    from paddle.base import core
+
+    from ..fused_allreduce.runner import ensure_process_group
+
+    from paddle.distributed import collective
+
+    if 0 not in collective._group_map:  # else the default group made the job's TCP store already
+        ensure_process_group()  # creates the job's TCP store (and the default gloo group) once
+    return core.create_or_get_global_tcp_store()
+
+
+def _wait_for(store, key: str, timeout: float, info: RingInfo) -> str:
+    """Rank 0's store address, polled (``add(key, 0)`` reads a counter without blocking)."""
+    deadline = time.monotonic() + timeout
+    while store.add(key + "/ready", 0) < 1:
+        if time.monotonic() > deadline:
+            raise RingTimeoutError(
+                f"paddle_hybrid.static.static_pipeline: {info.describe()}: ring rank 0 did not publish its store within "
+                f"{timeout:.0f} s. Every rank must build the same program with the same strategy; raise "
+                "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT if start-up is merely slow.")
+        time.sleep(0.01)
+    return store.get(key).decode()
+
+
+def ring_store(info: RingInfo, call, timeout: float):
+    """The ring's private TCPStore, hosted by ring rank 0 (phases: publish or look up, connect);
+    ``call`` names this creation alike on every rank.  Kept for the life of the process."""
+    from paddle.base import core
+
+    from ...dygraph.cpu.groups import reserved_port
+
+    store = _global_store()
+    key = _KEY.format(call=call, ring=info.ring_id)
+    if info.rank == 0:
+        host = info.endpoints[0].rsplit(":", 1)[0] or "127.0.0.1"
+        with reserved_port() as port:
+            store.set(key, f"{host}:{port}")
+            store.add(key + "/ready", 1)
+            private = core.TCPStore(host, port, True, info.nranks, int(timeout))  # returns once all joined
+    else:
+        host, port = _wait_for(store, key, timeout, info).rsplit(":", 1)
+        private = core.TCPStore(host, int(port), False, info.nranks, int(timeout))
+    _stores.append(private)
+    return private
+
+
+def create_ring(info: RingInfo, call: int, timeout: float) -> None:
+    """Create the gloo process group of ``info`` (collective over the ring's members)."""
+    from paddle.base import core
+
+    existing = rings.get(info.ring_id)
+    if existing is not None:
+        if (existing.rank, existing.endpoints) != (info.rank, info.endpoints):
+            raise RuntimeError(
+                f"paddle_hybrid.static.static_pipeline: ring {info.ring_id} exists with other members "
+                f"({existing.describe()}); now asked for {info.describe()}. One process can hold one gloo "
+                "group per ring id: build one pipeline program per process.")
+        return  # the same ring again (a second program in this process): reuse it
+    try:
+        store = ring_store(info, call, timeout)
+        info.group = core.ProcessGroupGloo.create(store, info.rank, info.nranks, _GROUP_ID_BASE + info.ring_id)
+    except RingTimeoutError:
+        raise
+    except Exception as exc:  # the store and gloo raise generic errors: say which ring
+        raise RingTimeoutError(f"paddle_hybrid.static.static_pipeline: creating the gloo group of {info.describe()} "
+                               f"failed: {exc}") from exc
+    rings[info.ring_id] = info
+
+
+_pipeline_init = threading.local()  # .active: inside fleet's PipelineOptimizer._init_process_group
+
+
+def make_init_process_group(original):
+    """Fleet's ``PipelineOptimizer._init_process_group``, marking its ring requests as the
+    pipeline's (the only ones this module serves)."""
+
+    @functools.wraps(original)
+    def _init_process_group(self, pipeline_pair, pipeline_ring_map):
+        _pipeline_init.active = True
+        try:
+            return original(self, pipeline_pair, pipeline_ring_map)
+        finally:
+            _pipeline_init.active = False
+
+    return _init_process_group
+
+
+def make_init_communicator(original, timeout_of):
+    """``CollectiveHelper._init_communicator`` that creates gloo rings for fleet's static pipeline
+    where the original cannot (no CUDA, no XPU); every other call goes to the original, which
+    keeps its own error for a CPU build.  ``timeout_of()`` gives the timeout."""
+
+    @functools.wraps(original)
+    def _init_communicator(self, program, current_endpoint, endpoints, rank, ring_id, wait_port,
+                           global_ring_id=None, sync=True):
+        from ...registry import device
+
+        if device.cuda_build() or device.xpu_build() or not getattr(_pipeline_init, "active", False):
+            return original(self, program, current_endpoint, endpoints, rank, ring_id, wait_port,
+                            global_ring_id, sync)
+        call = next(_calls)  # counted on members and non-members alike: same number on every rank
+        if current_endpoint is None:
+            return  # a non-member's "sync" call: the rendezvous of the members already synchronises
+        create_ring(RingInfo(ring_id, rank, endpoints), call, timeout_of())
+
+    return _init_communicator
