@@ -57,11 +57,11 @@ _FORWARD_PARAMS = ["ctx", "run_function", "all_outputs", "mp_group", "offload", 
 _GATE_MESSAGE = "Recompute with RNG is not support current device"
 
 
-def _custom_types_with_cpu(real):
-    def get_all_custom_device_type():
-        return [*list(real() or []), "cpu"]
+def _custom_types_with_cpu():
+    """The custom device types Paddle lists (asked at each call), and the CPU."""
+    import paddle
 
-    return get_all_custom_device_type
+    return [*list(paddle.device.get_all_custom_device_type() or []), "cpu"]
 
 
 def _asks_the_device_gate(fn) -> bool:
@@ -151,7 +151,7 @@ def apply(patcher) -> None:
     import paddle
 
     patcher.answer(hybrid, "paddle", {"device.get_all_custom_device_type":
-                                      _custom_types_with_cpu(paddle.device.get_all_custom_device_type)},
+                                      _custom_types_with_cpu},
                    when=running_on_cpu, why="the recompute forward's device gate on a CPU run")
     patcher.set(fn_cls, "forward", staticmethod(_make_forward(stock_forward)))
     patcher.set(hybrid, "_split_activation", _make_split(stock_split))

@@ -131,11 +131,11 @@ def _make_default_device_init(orig):
 # 4. group sharded (stage 2 / 3): the device checks accept CPU while the run is on the CPU
 # ---------------------------------------------------------------------------
 
-def _custom_types_with_cpu(real):
-    def get_all_custom_device_type():
-        return [*list(real() or []), "cpu"]
+def _custom_types_with_cpu():
+    """The custom device types Paddle lists (asked at each call), and the CPU."""
+    import paddle
 
-    return get_all_custom_device_type
+    return [*list(paddle.device.get_all_custom_device_type() or []), "cpu"]
 
 
 def _compiled_with_cuda():
@@ -250,7 +250,7 @@ def apply(patcher) -> None:
     # --- 4, 5: group sharded device checks and clipping -----------------------------------
     why = "group sharded device checks on a CPU run"
     patcher.answer(gs, "paddle", {"device.get_all_custom_device_type":
-                                  _custom_types_with_cpu(paddle.device.get_all_custom_device_type)},
+                                  _custom_types_with_cpu},
                    when=running_on_cpu, why=why)
     patcher.answer(gso2, "core", {"is_compiled_with_cuda": _compiled_with_cuda}, when=running_on_cpu, why=why)
     patcher.answer(gso2, "paddle", {"get_device": _cpu_with_index}, when=running_on_cpu, why=why)

@@ -156,9 +156,9 @@ def _modules():
 # ---------------------------------------------------------------------------
 
 _BUILDS = {
-    "cuda": dict(cuda=True, xpu=False, custom=None, named="(cuda)"),
-    "xpu": dict(cuda=False, xpu=True, custom=None, named="(xpu)"),
-    "custom": dict(cuda=False, xpu=False, custom=["npu"], named="(custom:npu)"),
+    "cuda": dict(cuda=True, xpu=False, custom=None, named="never run on cuda:"),
+    "xpu": dict(cuda=False, xpu=True, custom=None, named="never run on xpu:"),
+    "custom": dict(cuda=False, xpu=False, custom=["npu"], named="never run on custom:npu:"),
 }
 
 
@@ -288,7 +288,7 @@ def _recording_fakes(calls):
 
 # The concerns this file covers, in the component's order (tensor_parallel and sharding have
 # their own device-rule tests).
-_COVERED_CONCERNS = ["device", "groups", "p2p", "collectives", "recompute", "timers", "virtual_pipeline"]
+_COVERED_CONCERNS = ["device_id", "groups", "p2p", "collectives", "recompute", "timers", "virtual_pipeline"]
 
 
 def test_every_replacement_of_the_covered_concerns_has_a_recording_fake(fresh_plugin):
@@ -300,21 +300,27 @@ def test_every_replacement_of_the_covered_concerns_has_a_recording_fake(fresh_pl
     try:
         for name in _COVERED_CONCERNS:
             importlib.import_module(f"paddle_hybrid.dygraph.cpu.{name}").apply(patcher)
-        replaced = {(id(owner), name) for owner, name in patcher.patched()}
+        from paddle_hybrid.registry.patching import DeviceAnswers
+
+        changes = patcher.changes()
+        replaced = {(id(owner), name) for owner, name, _, value in changes if not isinstance(value, DeviceAnswers)}
+        answered = {(owner.__name__, name) for owner, name, _, value in changes if isinstance(value, DeviceAnswers)}
     finally:
         patcher.revert()
     faked = {(id(owner), name) for owner, name, _ in _recording_fakes(_Calls())}
     assert replaced == faked
+    # the one device answer among them: the recompute module's paddle (its forward's gate)
+    assert answered == {("paddle.distributed.fleet.recompute.recompute_hybrid", "paddle")}
 
 
 def _recording_forward(calls):
     def forward(ctx, run_function, all_outputs, mp_group, offload, partition, custom_get_state_func,
                 custom_set_state_func, *args, **kwargs):
         """Stands for Paddle's forward (its code holds the gate's message, as Paddle's does).
-        Records what it was called with, the custom device types its own body sees, and those
-        the block it runs sees."""
+        Records what it was called with, the custom device types its own body sees (through the
+        ``paddle`` of its module, as Paddle's forward reads it), and those the block it runs sees."""
         assert run_function is not None, "Recompute with RNG is not support current device"
-        seen_here = paddle.device.get_all_custom_device_type()
+        seen_here = _modules()["recompute_hybrid"].paddle.device.get_all_custom_device_type()
         seen_by_block = run_function()
         calls.append(("recompute_forward", (ctx, run_function, all_outputs, mp_group, offload, partition,
                                             custom_get_state_func, custom_set_state_func, args, kwargs,
@@ -418,8 +424,8 @@ def test_recompute_forward_on_a_gpu_reaches_paddle_unchanged(fresh_plugin, monke
 
 
 def test_recompute_forward_on_cpu_is_paddles_with_the_cpu_passing_its_gate(fresh_plugin, monkeypatch):
-    """The narrow change: on a CPU run Paddle's forward itself runs; only its own body sees the
-    CPU among the custom device types; offload is passed on as False."""
+    """The narrow change: on a CPU run Paddle's forward itself runs; only its module (the
+    ``paddle`` it reads) sees the CPU among the custom device types; offload is passed on as False."""
     calls = _Calls()
     fn_cls = _modules()["recompute_hybrid"]._HPRecomputeFunction
     with _installed_over(monkeypatch, _recording_fakes(calls)) as mp:

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from paddle_hybrid.dygraph.timeline import bubble, gantt, synthetic
+from paddle_hybrid.dygraph.timeline import bubble, gantt
+from paddle_hybrid.testing import ideal_timeline
 from paddle_hybrid.dygraph.timeline.bubble import (comm_share, compute_order, format_summary, measured_bubble,
                                            overlapping_compute, summary, theoretical_bubble)
 from paddle_hybrid.testing.ideal_timeline import one_f_one_b
@@ -208,7 +209,7 @@ def test_compute_order_matches_1f1b():
     for p, m in [(4, 8), (3, 2)]:
         events = one_f_one_b(p, m)
         for s in range(p):
-            assert compute_order(events, s, 0) == [(k, i, None) for k, i in synthetic.one_f_one_b_order(p, m, s)]
+            assert compute_order(events, s, 0) == [(k, i, None) for k, i in ideal_timeline.one_f_one_b_order(p, m, s)]
     assert compute_order(events, 0, 1) == []
 
 

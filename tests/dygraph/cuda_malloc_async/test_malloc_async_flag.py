@@ -1,7 +1,7 @@
-"""PluginConfig.cuda_malloc_async on the real install path: a flag this Paddle
-does not have is named; any other failure is raised or reported as what it
-is, never swallowed.  A GPU is faked by monkeypatching Paddle's device
-queries (this machine has none)."""
+"""PluginConfig.cuda_malloc_async (the component ``cuda_malloc_async``) on the real install path:
+the flag is set and restored; a flag this Paddle does not have is named; any other failure is
+raised or reported as what it is, never swallowed.  A GPU is faked by monkeypatching Paddle's
+device queries (this machine has none)."""
 import warnings
 
 import paddle
@@ -11,8 +11,8 @@ import paddle_hybrid
 from paddle_hybrid import PluginConfig
 
 FLAG = "FLAGS_use_cuda_malloc_async_allocator"
-COMPONENT = "cuda_graph.pipeline"
-ASYNC_ONLY = PluginConfig(pipeline_cudagraph=False, cuda_malloc_async=True)
+COMPONENT = "cuda_malloc_async"
+ASYNC_ONLY = PluginConfig(cuda_malloc_async=True)
 
 
 @pytest.fixture
@@ -75,3 +75,13 @@ def test_no_gpu_device_means_nothing_to_ask(reinstall, monkeypatch):
         warnings.simplefilter("error")
         paddle_hybrid.install_component(COMPONENT, ASYNC_ONLY)
     assert paddle.get_flags([FLAG])[FLAG] is True
+
+
+def test_flag_is_set_and_restored_and_off_by_default(reinstall):
+    before = paddle.get_flags([FLAG])[FLAG]
+    assert paddle_hybrid.install_component(COMPONENT, PluginConfig()).status == "off"
+    assert paddle.get_flags([FLAG])[FLAG] == before
+    assert paddle_hybrid.install_component(COMPONENT, ASYNC_ONLY).status == "active"
+    assert paddle.get_flags([FLAG])[FLAG] is True
+    paddle_hybrid.uninstall_component(COMPONENT)
+    assert paddle.get_flags([FLAG])[FLAG] == before
