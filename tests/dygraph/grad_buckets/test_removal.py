@@ -54,9 +54,12 @@ def test_uninstall_component_restores_paddle_and_removes_buckets():
     config = paddle_hybrid.current_config()
     paddle_hybrid.uninstall_component(COMPONENT)
     try:
-        for owner, name, original, _ in changes:
+        for owner, name, original, installed in changes:
             now = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
-            assert now is original, f"{getattr(owner, '__name__', owner)}.{name} not restored"
+            # Restored, or (another component wrapped it after this one: fleet_fixes reinstalled by
+            # an earlier test) this one's link spliced out of the chain (registry.patching).
+            assert now is original or getattr(installed, "_ph_spliced", False), \
+                f"{getattr(owner, '__name__', owner)}.{name} not restored"
         for step in (1, 2):
             assert bucket_code_calls(lambda: _step(m, opt, step)) == [], f"step {step}"
             _step(ref, ref_opt, step)
