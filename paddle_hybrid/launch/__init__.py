@@ -25,9 +25,13 @@ Also, before Paddle's launcher starts:
   AMD CPU and a Paddle MKL that honours it) and the user has not set it: in the worker's
   environment from its start, it works even if the script runs a matmul before any import.
 
-When a worker fails, the launcher exits with that worker's own code (the lowest rank among
-those that failed before the launcher stopped the rest), not with the -15 of a rank Paddle's
-launcher stopped (:mod:`.exit_code`).
+When a worker fails, the launcher names the root cause and exits with its code: the worker that
+failed first in time on its own, not the -15 of a rank Paddle's launcher stopped nor a peer whose
+collective failed because of it (a gloo TIMEOUT, "Connection reset by peer").  After Paddle's
+output it prints ``paddle_hybrid.launch: root cause: rank N exited with code C at <time>
+(<reason>)`` and the last lines of that rank's log.  Each worker records when and why its script
+failed (:mod:`.bootstrap`), the launcher records when each worker process exited
+(:mod:`.exit_code`); see ``docs/launch.md``.
 
 A training "script" that is not a ``.py`` file is run by Paddle's launcher as a program, as
 it would be anyway; the plugin cannot be put into it, and a warning says so.  Paddle's
@@ -134,7 +138,7 @@ def environ_as_the_user_set_it() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse like Paddle, rewrite the worker command, set the environment, run Paddle's
-    launcher (its ``sys.exit`` carries the failing worker's exit code, see :mod:`.exit_code`)."""
+    launcher (its ``sys.exit`` carries the root cause's exit code, see :mod:`.exit_code`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_with_paddle(argv)
     new_argv = worker_argv(argv, args)

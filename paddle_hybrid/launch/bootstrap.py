@@ -7,12 +7,98 @@ puts the script's module in ``sys.modules["__main__"]`` while it runs, so object
 pickle as they do under plain Python.  An exception or ``sys.exit`` in the script ends the
 process as it would without the bootstrap (exit status 1 or the given code).
 
+**The failure record.**  When the script ends with an exception or a non-zero ``sys.exit``,
+the bootstrap first writes when that happened and a one-line reason (``RuntimeError: boom``,
+``SystemExit: 7``) to ``<dir>/<pid>.json``, where ``<dir>`` is the directory the launcher names
+in ``PADDLE_HYBRID_LAUNCH_RECORDS`` (no variable: no record).  The launcher compares these
+times to find the worker that failed first (:mod:`.exit_code`).  The time is taken where the
+exception leaves the script, not at the process's exit: tearing down an interpreter with Paddle
+loaded takes a while, and a peer's collective may fail in between.  A worker that dies without
+running Python's unwinding (``os._exit``, a signal, a C++ abort) leaves no record; the launcher
+knows its exit time from its own watcher.  The record is plain JSON, written to a temporary
+name and renamed, so the launcher never reads half of one.
+
 Run as a file, not as part of the package: this directory, which Python put first on
-``sys.path``, is replaced by the script's.
+``sys.path``, is replaced by the script's.  The launcher imports this file as a module only
+for :func:`read_records` and the record's format; it needs nothing but the standard library.
 """
+import json
 import os
 import runpy
 import sys
+import time
+
+RECORD_DIR = "PADDLE_HYBRID_LAUNCH_RECORDS"
+REASON_LIMIT = 300  # characters of a reason
+
+
+def _first_line(message: str) -> str:
+    """The line of an exception message that says what happened: after Paddle's
+    "Error Message Summary:" header when there is one (its C++ traceback comes first), else the
+    first non-blank line."""
+    lines = [line.strip() for line in message.splitlines()]
+    if "Error Message Summary:" in lines:
+        lines = lines[lines.index("Error Message Summary:") + 1:]
+    for line in lines:
+        if line and set(line) != {"-"}:
+            return line
+    return ""
+
+
+def one_line_reason(exc: BaseException) -> str:
+    """``Type: first line of the message`` (``Type`` alone without a message), at most
+    :data:`REASON_LIMIT` characters."""
+    if isinstance(exc, SystemExit):
+        message = "" if exc.code is None else str(exc.code)
+    else:
+        message = str(exc)
+    line = _first_line(message)
+    reason = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return reason if len(reason) <= REASON_LIMIT else reason[:REASON_LIMIT - 3] + "..."
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Whether the process ends with a non-zero status because of ``exc``."""
+    return not (isinstance(exc, SystemExit) and exc.code in (None, 0))
+
+
+def write_record(directory: str, pid: int, rank: int, when: float, reason: str) -> None:
+    """Write the failure record of process ``pid`` (atomically: temporary name, then rename)."""
+    path = os.path.join(directory, f"{pid}.json")
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump({"pid": pid, "rank": rank, "time": when, "reason": reason}, f)
+    os.replace(partial, path)
+
+
+def read_records(directory: str) -> dict:
+    """``{pid: record}`` of the complete records in ``directory``; unreadable ones are skipped."""
+    records = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return records
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                record = json.load(f)
+            records[int(record["pid"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return records
+
+
+def _record_failure(exc: BaseException, when: float) -> None:
+    directory = os.environ.get(RECORD_DIR)
+    if not directory or not is_failure(exc):
+        return
+    try:
+        rank = int(os.environ.get("PADDLE_TRAINER_ID", "-1"))
+        write_record(directory, os.getpid(), rank, when, one_line_reason(exc))
+    except Exception:  # noqa: BLE001  (a record is a courtesy; the script's own error matters)
+        pass
 
 
 def _import_plugin() -> None:
@@ -33,8 +119,12 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     # Python puts the directory of the (symlink-resolved) script first on sys.path.
     sys.path[0] = os.path.dirname(os.path.realpath(script))
-    _import_plugin()
-    runpy.run_path(script, run_name="__main__")
+    try:
+        _import_plugin()
+        runpy.run_path(script, run_name="__main__")
+    except BaseException as exc:
+        _record_failure(exc, time.time())
+        raise
 
 
 if __name__ == "__main__":

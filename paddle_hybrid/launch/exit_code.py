@@ -1,45 +1,293 @@
 """The exit code of ``python -m paddle_hybrid.launch``: the code of the worker that failed first.
 
-When a worker fails, Paddle's launcher stops the others (SIGTERM) and then exits with the code
-of the first worker *in rank order* whose code is not 0 (``Pod.exit_code``).  A lower rank that
-was still running when it was stopped has -15, so the launcher exits 241 (-15 & 0xff) and the
-script's own code (``sys.exit(7)``, 1 for an exception) is lost; whether it is lost depends on
-whether the lower ranks had already finished, a race.  Like torchrun's "root cause", this
-launcher exits with the code of the lowest rank among the workers that had failed on their own,
-i.e. had already exited with a non-zero code when Paddle's launcher began to stop the pod.  When
-none had (the user pressed Ctrl-C, a peer node failed), Paddle's rule stands.
+When a worker fails, Paddle's launcher stops the others (SIGTERM) and exits with the code of the
+first worker *in rank order* whose code is not 0 (``Pod.exit_code``).  Two things make that the
+wrong worker.  A lower rank that was still running has the -15 of the stop, so the script's own
+code is lost.  And a lower rank whose collective failed *because* a peer died (gloo's "Connection
+reset by peer", a TIMEOUT) exits a few milliseconds after that peer, inside the same poll of the
+launcher (it looks once a second), so Paddle names the victim and shows its log.
 
-Two methods of Paddle's ``Pod`` are wrapped, in the launcher's process only, through a
-:class:`~paddle_hybrid.registry.patching.Patcher` that :func:`root_cause_exit_code` reverts on the way out:
+**The rule.**  The root cause is, among the workers that failed on their own, the one that failed
+first in time; a worker whose reason is a peer's failure (:func:`is_collateral`: a gloo
+timeout, a connection reset or closed by the peer, ...) loses to any worker that failed for
+another reason, whatever the clocks say.  Rank order only breaks ties.  A worker failed "on its
+own" when its code is not 0 and it had ended, or recorded its failure, before the launcher began
+to stop the pod; a worker the launcher stopped never is the cause.  When no worker failed on its
+own (the user pressed Ctrl-C, a peer node failed), Paddle's rule stands and nothing is printed.
 
-* ``stop``: at the first stop after a deploy, record the codes of the workers that have exited
-  with a non-zero code (before any signal is sent);
-* ``deploy``: forget the record (an elastic restart deploys the pod again);
+**When each worker failed** comes from two sources:
 
-and the ``exit_code`` property returns the first recorded code, else Paddle's.
+* the worker's own record: the bootstrap (:mod:`.bootstrap`) writes the time and a one-line
+  reason of an uncaught exception or a non-zero ``sys.exit`` into a per-launch temporary
+  directory that this module creates, names in ``PADDLE_HYBRID_LAUNCH_RECORDS`` and removes;
+* the exit time of every worker process, taken by one watcher thread per process blocked in
+  ``waitid(WEXITED | WNOWAIT)``: it wakes when the process ends but leaves it a zombie, so
+  Paddle's ``Popen.poll()`` still reaps it and gets its code, and Paddle's ``killpg`` of a
+  process it still sees alive cannot hit a pid that a watcher already reaped.  It covers workers
+  that die without Python's unwinding (``os._exit``, a signal, a C++ abort).
+
+A record's time counts before its worker's exit time: tearing down a Python that loaded Paddle
+takes long enough for a peer to fail in between.
+
+**What the user sees.**  After Paddle's output, on stderr, one block::
+
+    paddle_hybrid.launch: root cause: rank 1 exited with code 3 at 2026-11-25 10:00:00.123 (no Python ...
+    paddle_hybrid.launch: also failed: rank 0 (code 1, +12 ms): RuntimeError: [...] Connection reset by peer
+    paddle_hybrid.launch: last 30 lines of log/workerlog.1 (rank 1):
+    ...
+    paddle_hybrid.launch: end of the log of rank 1
+
+and the launcher exits with the root cause's code.
+
+Three members of Paddle's ``Pod`` are replaced, in the launcher's process only, through a
+:class:`~paddle_hybrid.registry.patching.Patcher` that :func:`root_cause_exit_code` reverts on the way out
+(also the environment variable and the directory):
+
+* ``deploy``: forget what an earlier deploy saw (an elastic restart deploys the pod again), run
+  Paddle's, start the exit watchers;
+* ``stop``: at the first stop after a deploy, note the time and the workers that have failed
+  (before any signal is sent);
+* the ``exit_code`` property: the root cause's code, else Paddle's.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 import warnings
 
 from ..registry.patching import Patcher, describe_versions, version_supported
+from . import bootstrap
 
-__all__ = ["VERIFIED_PADDLE", "root_cause_exit_code", "own_failures"]
+__all__ = ["VERIFIED_PADDLE", "TAIL_LINES", "RootCause", "WorkerEnd", "root_cause_exit_code", "own_failures",
+           "is_collateral", "root_cause", "note_exit", "watch_exit", "format_root_cause"]
 
-# Paddle versions whose Pod.stop / Pod.deploy / Pod.exit_code were read and tested.
+# Paddle versions whose Pod.stop / deploy / exit_code and Container._proc._proc (the worker's
+# Popen) were read and tested.
 VERIFIED_PADDLE = ("3.2.", "3.3.")
+TAIL_LINES = 30
 
-_RECORD = "_ph_own_failures"
+_STATE = "_ph_root_cause"
+
+# A reason that says a peer went away or did not answer: gloo's transport errors and timeouts
+# ("TIMEOUT self_rank = 0 pair_rank = 1", "Timed out waiting 1800000ms for recv", "Read error
+# ...: Connection reset by peer", "Connection closed by peer"), a broken pipe or socket.
+_COLLATERAL = re.compile(
+    r"\btime[ds]? ?out\b|connection (?:reset|closed|refused|aborted)|closed by peer|broken pipe|socket closed"
+    r"|remote process exited",
+    re.IGNORECASE)
 
 
-def own_failures(pod) -> list[int]:
-    """Exit codes of the pod's workers that have failed (exited, code not 0), in rank order;
-    Paddle's own ``Pod.failed_container`` says which (a worker never started is not one)."""
-    return [container.exit_code for container in pod.failed_container()]
+def is_collateral(reason: str | None) -> bool:
+    """Whether a worker's recorded reason says it failed because a peer had gone (its
+    collective timed out, or the connection was reset or closed by the peer)."""
+    return bool(reason) and _COLLATERAL.search(reason) is not None
 
 
-def _install(patcher: Patcher, pod_class) -> None:
+@dataclasses.dataclass
+class WorkerEnd:
+    """How one worker of the pod ended, as far as the launcher knows."""
+
+    index: int                      # its place in the pod (Paddle's workerlog.<index>)
+    rank: int                       # its global rank (PADDLE_TRAINER_ID)
+    code: int | None                # exit code, None while running
+    own: bool                       # failed on its own, not stopped by the launcher
+    exit_time: float | None = None  # when its process ended (the watcher)
+    record_time: float | None = None  # when it recorded its failure (the bootstrap)
+    reason: str | None = None
+    log: str | None = None
+    log_offset: int = 0
+
+    @property
+    def time(self) -> float | None:
+        return self.record_time if self.record_time is not None else self.exit_time
+
+
+@dataclasses.dataclass
+class RootCause:
+    rank: int
+    code: int
+    time: float | None
+    reason: str | None
+    log: str | None = None
+    log_offset: int = 0             # where this launch's part of an appended log begins
+    also_failed: list = dataclasses.field(default_factory=list)  # the other own failures (WorkerEnd)
+
+
+def root_cause(ends: list[WorkerEnd]) -> RootCause | None:
+    """The rule of the module docstring over the workers' ends; None: none failed on its own."""
+    own = [end for end in ends if end.own and end.code not in (0, None)]
+    if not own:
+        return None
+
+    def order(end):
+        return (is_collateral(end.reason), end.time if end.time is not None else math.inf, end.index)
+
+    own.sort(key=order)
+    first = own[0]
+    return RootCause(rank=first.rank, code=first.code, time=first.time, reason=first.reason, log=first.log,
+                     log_offset=first.log_offset, also_failed=own[1:])
+
+
+# -- the launcher's view of its workers ---------------------------------------------------
+
+class _PodState:
+    """What the patched ``Pod`` methods note about one deploy of one pod."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.exit_times: dict[int, float] = {}  # id(container) -> exit time
+        self.stopped_at: float | None = None
+        self.failed_at_stop: list = []
+
+    def note_exit(self, container, when: float) -> None:
+        with self.lock:
+            self.exit_times.setdefault(id(container), when)
+
+
+def _state(pod) -> _PodState:
+    state = pod.__dict__.get(_STATE)
+    if state is None:
+        state = _PodState()
+        setattr(pod, _STATE, state)
+    return state
+
+
+def note_exit(pod, container, when: float) -> None:
+    """Note that ``container``'s process ended at ``when`` (the first note counts)."""
+    _state(pod).note_exit(container, when)
+
+
+def _process(container):
+    """The worker's ``Popen``-like object, as Paddle's Container holds it (``_proc._proc``)."""
+    return getattr(getattr(container, "_proc", None), "_proc", None)
+
+
+def watch_exit(popen: subprocess.Popen, on_exit) -> bool:
+    """Call ``on_exit(time.time())`` from a daemon thread as soon as ``popen``'s process ends,
+    without reaping it (``Popen`` still does; see the module docstring).  False where
+    ``waitid``/``WNOWAIT`` are missing (not Linux or a BSD): no exit times there."""
+    waitid, nowait = getattr(os, "waitid", None), getattr(os, "WNOWAIT", None)
+    if waitid is None or nowait is None:
+        return False
+    pid = popen.pid
+
+    def watch():
+        try:
+            waitid(os.P_PID, pid, os.WEXITED | nowait)
+        except ChildProcessError:
+            pass  # reaped already by Popen.poll(), which runs when the process has just ended
+        except OSError:
+            return
+        on_exit(time.time())
+
+    threading.Thread(target=watch, name=f"paddle_hybrid.launch: exit of {pid}", daemon=True).start()
+    return True
+
+
+def _global_rank(container, index: int) -> int:
+    try:
+        return int(getattr(container, "env", {}).get("PADDLE_TRAINER_ID", index))
+    except (TypeError, ValueError):
+        return index
+
+
+def own_failures(pod) -> list:
+    """The pod's workers that have failed (exited, code not 0), in rank order; Paddle's own
+    ``Pod.failed_container`` says which (a worker never started is not one)."""
+    return list(pod.failed_container())
+
+
+def worker_ends(pod, records: dict) -> list[WorkerEnd]:
+    """Each worker's end, from Paddle's containers, the watchers' exit times and the records."""
+    state = _state(pod)
+    ends = []
+    for index, container in enumerate(pod.containers):
+        code = container.exit_code
+        record = records.get(getattr(_process(container), "pid", None)) or {}
+        end = WorkerEnd(index=index, rank=_global_rank(container, index), code=code, own=False,
+                        exit_time=state.exit_times.get(id(container)), record_time=record.get("time"),
+                        reason=record.get("reason"), log=getattr(container, "outfile", None),
+                        log_offset=getattr(container, "_log_start_offset", 0) or 0)
+        if code not in (0, None):
+            end.own = (state.stopped_at is None
+                       or any(c is container for c in state.failed_at_stop)
+                       or (end.time is not None and end.time < state.stopped_at))
+        ends.append(end)
+    return ends
+
+
+# -- the report ---------------------------------------------------------------------------
+
+def _clock(when: float | None) -> str:
+    if when is None:
+        return "an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) + f".{int(when % 1 * 1000):03d}"
+
+
+def _tail(path: str, offset: int, lines: int) -> list[str]:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        start = offset if 0 <= offset <= size else 0
+        f.seek(max(start, size - 256 * 1024))  # enough for 30 lines of any sane log
+        text = f.read().decode("utf-8", errors="replace")
+    return text.splitlines()[-lines:]
+
+
+def format_root_cause(cause: RootCause, lines: int = TAIL_LINES) -> str:
+    """The block printed after Paddle's output."""
+    head = "paddle_hybrid.launch:"
+    reason = cause.reason or "no Python exception recorded"
+    out = [f"{head} root cause: rank {cause.rank} exited with code {cause.code} at {_clock(cause.time)} ({reason})"]
+    for end in cause.also_failed:
+        delay = ""
+        if end.time is not None and cause.time is not None:
+            delay = f", {(end.time - cause.time) * 1000:+.0f} ms"
+        out.append(f"{head} also failed: rank {end.rank} (code {end.code}{delay}): "
+                   f"{end.reason or 'no Python exception recorded'}")
+    if cause.log:
+        try:
+            tail = _tail(cause.log, cause.log_offset, lines)
+        except OSError as exc:
+            out.append(f"{head} cannot read the log of rank {cause.rank}, {cause.log}: {exc}")
+        else:
+            out.append(f"{head} last {len(tail)} lines of {cause.log} (rank {cause.rank}):")
+            out.extend(tail)
+            out.append(f"{head} end of the log of rank {cause.rank}")
+    return "\n".join(out) + "\n"
+
+
+# -- the patches --------------------------------------------------------------------------
+
+class Launch:
+    """One launch: the workers' record directory and the root cause the pod last reported."""
+
+    def __init__(self, directory: str | None):
+        self.directory = directory
+        self.decision: RootCause | None = None
+
+    def decide(self, pod) -> RootCause | None:
+        records = bootstrap.read_records(self.directory) if self.directory else {}
+        self.decision = root_cause(worker_ends(pod, records))
+        return self.decision
+
+    def forget_records(self) -> None:
+        if self.directory:
+            for name in os.listdir(self.directory):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.directory, name))
+
+
+def _install(patcher: Patcher, pod_class, launch: Launch) -> None:
     original_stop = patcher.require(pod_class, "stop", "paddle.distributed.launch.job.pod.Pod")
     original_deploy = patcher.require(pod_class, "deploy", "paddle.distributed.launch.job.pod.Pod")
     original_exit_code = pod_class.__dict__.get("exit_code")
@@ -48,42 +296,80 @@ def _install(patcher: Patcher, pod_class) -> None:
 
     def stop(self, *args, **kwargs):
         # Only the first stop after a deploy sees the workers as they ended on their own.
-        if getattr(self, _RECORD, None) is None:
-            setattr(self, _RECORD, own_failures(self))
+        state = _state(self)
+        if state.stopped_at is None:
+            state.stopped_at = time.time()
+            state.failed_at_stop = own_failures(self)
         return original_stop(self, *args, **kwargs)
 
     def deploy(self, *args, **kwargs):
-        setattr(self, _RECORD, None)
-        return original_deploy(self, *args, **kwargs)
+        state = _PodState()  # the watchers of an earlier deploy keep noting into theirs
+        setattr(self, _STATE, state)
+        launch.forget_records()
+        result = original_deploy(self, *args, **kwargs)
+        for container in self.containers:
+            popen = _process(container)
+            if isinstance(popen, subprocess.Popen):
+                watch_exit(popen, lambda when, c=container: state.note_exit(c, when))
+        return result
 
     def exit_code(self):
-        recorded = getattr(self, _RECORD, None)
-        if recorded:
-            return recorded[0]
-        return original_exit_code.fget(self)
+        cause = launch.decide(self)
+        return cause.code if cause is not None else original_exit_code.fget(self)
 
     patcher.set(pod_class, "stop", stop)
     patcher.set(pod_class, "deploy", deploy)
     patcher.set(pod_class, "exit_code", property(exit_code))
 
 
+def _record_directory(patcher: Patcher) -> str:
+    """Create the workers' record directory, name it in their environment; both undone at
+    revert."""
+    directory = tempfile.mkdtemp(prefix="paddle_hybrid_launch.")
+    before = os.environ.get(bootstrap.RECORD_DIR)
+    os.environ[bootstrap.RECORD_DIR] = directory
+
+    def undo():
+        if before is None:
+            os.environ.pop(bootstrap.RECORD_DIR, None)
+        else:
+            os.environ[bootstrap.RECORD_DIR] = before
+        shutil.rmtree(directory, ignore_errors=True)
+
+    patcher.on_revert(undo, f"{bootstrap.RECORD_DIR} and {directory}")
+    return directory
+
+
 @contextlib.contextmanager
 def root_cause_exit_code():
-    """While inside, Paddle's launcher in this process exits with the first failing worker's
-    code (see the module docstring).  On a Paddle version this was not verified on it warns
-    and leaves Paddle's rule."""
+    """While inside, Paddle's launcher in this process exits with the root cause's code and
+    prints the root-cause block when it leaves with ``sys.exit`` (see the module docstring).
+    Yields the :class:`Launch`.  On a Paddle version this was not verified on it warns and
+    leaves Paddle's rule."""
     import paddle
     from paddle.distributed.launch.job.pod import Pod
 
     patcher = Patcher("paddle_hybrid.launch", "python -m paddle.distributed.launch")
+    launch = Launch(None)
     if version_supported(paddle.__version__, VERIFIED_PADDLE):
-        _install(patcher, Pod)
+        try:
+            launch.directory = _record_directory(patcher)
+            _install(patcher, Pod, launch)
+        except BaseException:
+            patcher.revert()
+            raise
     else:
         warnings.warn(f"paddle_hybrid.launch: Paddle {paddle.__version__} is not one the exit-code rule was verified "
                       f"on ({describe_versions(VERIFIED_PADDLE)}); the launcher exits with Paddle's code (that of "
                       "the lowest rank with a non-zero code, which may be one the launcher stopped).",
                       RuntimeWarning, stacklevel=3)
     try:
-        yield
+        yield launch
+    except SystemExit:
+        if launch.decision is not None:
+            sys.stdout.flush()  # Paddle's log tails go to stdout: the block comes after them
+            sys.stderr.write(format_root_cause(launch.decision))
+            sys.stderr.flush()
+        raise
     finally:
         patcher.revert()
