@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .common.layout_check import DEFAULT_TIMEOUT as _LAYOUT_CHECK_TIMEOUT
 
 __all__ = ["PluginConfig", "ENVIRONMENT", "AUTO_ON_OFF", "TIMEOUT_RANGE"]
 
@@ -79,13 +78,21 @@ ENVIRONMENT = {
     "cpu_blas_vendor_fix": "PADDLE_HYBRID_CPU_BLAS",
     "timeline": "PADDLE_HYBRID_TIMELINE",
     "force_unverified": "PADDLE_HYBRID_FORCE",
+    "timeout": "PADDLE_HYBRID_TIMEOUT",
+    "startup_agreement": "PADDLE_HYBRID_STARTUP_AGREEMENT",
 }
 
 # The fields set "auto", "on" or "off" (how each is decided: paddle_hybrid.registry.gate).
 AUTO_ON_OFF = ("cpu_hybrid", "expert_parallel", "static_pipeline", "auto_parallel_cpu")
 
 # How from_env reads a field, by its annotation.
-_KIND = {"bool": bool, "bool | None": "tristate", "int": int, "float": float, "str": "auto_on_off"}
+_KIND = {"bool": bool, "bool | None": "tristate", "int": int, "float": float, "float | None": "optional_float",
+         "str": "auto_on_off"}
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds every wait of the plugin allows by default: a rank may pause for a checkpoint save, an
+evaluation or a loaded machine for minutes and the job goes on; a rank that hung is named after
+ten minutes (Paddle's own silent wait for a missing group is 15)."""
 
 # Deadlines the user sets: at least a second (the stores and rings count whole seconds, so less
 # would become 0: no deadline at all) and at most a day (inf or 1e30 overflow the C++ side).
@@ -155,9 +162,10 @@ class PluginConfig:
     (:mod:`paddle_hybrid.static.fused_allreduce`) (``PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE``).  Tri-state,
     as ``pipeline_send_wait``."""
 
-    static_layout_check_timeout: float = _LAYOUT_CHECK_TIMEOUT
+    static_layout_check_timeout: float | None = None
     """Seconds the cross-rank gradient-layout check of a static data-parallel program waits for
-    the other ranks before raising, > 0 (``PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT``)."""
+    the other ranks before raising; None: :attr:`timeout`
+    (``PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT``)."""
 
     static_pipeline: str = "auto"
     """Run fleet's legacy static pipeline (``strategy.pipeline``) with micro-batches in ``exe.run``
@@ -165,9 +173,9 @@ class PluginConfig:
     gloo), ``"on"`` also on an accelerator build (never run there), ``"off"`` never
     (``PADDLE_HYBRID_STATIC_PIPELINE``)."""
 
-    static_pipeline_timeout: float = 120.0
+    static_pipeline_timeout: float | None = None
     """Seconds a rank waits for the others when the static paths' gloo rings and groups are created
-    or a pipeline message is awaited, > 0 (``PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT``)."""
+    or a pipeline message is awaited; None: :attr:`timeout` (``PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT``)."""
 
     auto_parallel_cpu: str = "auto"
     """Let legacy auto-parallel ``Engine.fit`` run on CPU over gloo
@@ -205,6 +213,18 @@ class PluginConfig:
     """Record a per-rank timeline of every pipeline ``train_batch`` (:mod:`paddle_hybrid.dygraph.timeline`;
     :func:`paddle_hybrid.dygraph.timeline.finish` writes it) (``PADDLE_HYBRID_TIMELINE``)."""
 
+    timeout: float = DEFAULT_TIMEOUT
+    """The deadline, in seconds in [1, 86400], of every wait the plugin adds for the other ranks:
+    the start-up agreement, the layout checks, the static pipeline's rings (unless their own
+    fields say otherwise).  A message of a wait that ran out names this setting and the ranks
+    waited for (``PADDLE_HYBRID_TIMEOUT``)."""
+
+    startup_agreement: bool = True
+    """At ``fleet.distributed_model``, every rank compares the plugin's configuration, the hybrid
+    degrees and the pipeline schedule with the others' and a mismatch stops every rank naming the
+    field and each rank's value (:mod:`paddle_hybrid.dygraph.agreement`)
+    (``PADDLE_HYBRID_STARTUP_AGREEMENT``)."""
+
     force_unverified: tuple = ()
     """Components to install even on a Paddle version they were not verified on: short names as
     ``paddle_hybrid.report()`` prints them (``"cpu"``, ``"cuda_graph.pipeline"``), or ``"all"``
@@ -226,22 +246,32 @@ class PluginConfig:
             if value not in ("auto", "on", "off"):
                 raise ValueError(f"PluginConfig.{name} must be 'auto', 'on' or 'off', got {value!r} "
                                  f"(environment variable {ENVIRONMENT[name]}).")
-        _check_seconds("static_pipeline_timeout", self.static_pipeline_timeout, "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT")
+        for name in ("timeout", "static_pipeline_timeout", "static_layout_check_timeout"):
+            if getattr(self, name) is not None or name == "timeout":
+                _check_seconds(name, getattr(self, name), ENVIRONMENT[name])
         if (not isinstance(self.grad_bucket_max_params, int) or isinstance(self.grad_bucket_max_params, bool)
                 or self.grad_bucket_max_params < 0):
             raise ValueError("PluginConfig.grad_bucket_max_params must be an int >= 0 (0: no limit), got "
                              f"{self.grad_bucket_max_params!r} (PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS).")
-        _check_seconds("static_layout_check_timeout", self.static_layout_check_timeout,
-                       "PADDLE_HYBRID_STATIC_LAYOUT_CHECK_TIMEOUT")
         if (not isinstance(self.cuda_graph_warmup_steps, int) or isinstance(self.cuda_graph_warmup_steps, bool)
                 or self.cuda_graph_warmup_steps < 0):
             raise ValueError("PluginConfig.cuda_graph_warmup_steps must be an int >= 0, got "
                              f"{self.cuda_graph_warmup_steps!r} (PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS).")
 
+    def seconds(self, field: str = "timeout") -> float:
+        """The deadline of a path: its own field if set, else :attr:`timeout`."""
+        value = getattr(self, field)
+        return self.timeout if value is None else value
+
+    def deadline_setting(self, field: str = "timeout") -> str:
+        """The environment variable that set the deadline of a path, for messages."""
+        return ENVIRONMENT[field if getattr(self, field) is not None else "timeout"]
+
     @classmethod
     def from_env(cls) -> "PluginConfig":
         readers = {bool: _env_bool, "tristate": lambda name, _default: _env_tristate(name), int: _env_int,
-                   float: _env_float, "auto_on_off": _env_auto_on_off}
+                   float: _env_float, "auto_on_off": _env_auto_on_off,
+                   "optional_float": lambda name, _default: _env_float(name, None)}
         values = {}
         for field in dataclasses.fields(cls):
             if field.name == "force_unverified":

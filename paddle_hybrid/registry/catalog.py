@@ -6,6 +6,7 @@ feature is one line here and nothing else in the registry.
 from __future__ import annotations
 
 from ..cpu_blas import COMPONENT as cpu_blas
+from ..dygraph.agreement import COMPONENT as agreement
 from ..dygraph.cpu import COMPONENT as cpu
 from ..dygraph.cuda_graph import COMPONENT as cuda_graph_pipeline
 from ..dygraph.cuda_malloc_async import COMPONENT as cuda_malloc_async
@@ -32,6 +33,7 @@ COMPONENTS = [
     static_pipeline,
     auto_parallel_cpu,
     grad_buckets,  # after fleet_fixes: both wrap HybridParallelOptimizer._hybrid_sync_grad
+    agreement,  # after grad_buckets: its fleet.distributed_model wrapper is outermost, so it checks first
     cuda_graph_pipeline,
     cuda_malloc_async,
     timeline,

@@ -13,7 +13,9 @@ the ones the restructure made on purpose, each named here:
 3. one gate: on an accelerator build the four auto/on/off components say the gate's words, and
    ``allow_unrun`` turns them on too; report() lists every gated path (five more lines);
 4. ``cuda_malloc_async`` is a component of its own (one more line; ``cuda_graph.pipeline`` no
-   longer mentions it); cpu_blas's off reason is the gate's.
+   longer mentions it); cpu_blas's off reason is the gate's;
+5. a new component, ``agreement`` (issue 25: the ranks compare their settings at
+   ``fleet.distributed_model``), wraps ``fleet.distributed_model``.
 """
 import json
 import os
@@ -83,6 +85,8 @@ def _expected_patches(case, before_case, forced_on_now):
     for component, answers in ANSWERS.items():
         if component in active:
             expected |= {(component, owner, name, "module", "DeviceAnswers") for owner, name in answers}
+    expected.add(("agreement", "paddle.distributed.fleet", "distributed_model", "distributed_model",
+                  "distributed_model"))  # change 5
     return expected
 
 
@@ -111,7 +115,8 @@ def test_only_the_named_changes(case):
     title1, comps1, rule1, header1 = _parse(now["report"])
     assert title1 == title0
     assert header1.startswith("device rule (paths not run on every device; this build: ")
-    assert set(comps1) - set(comps0) == {"cuda_malloc_async"} and set(comps0) <= set(comps1)
+    assert set(comps1) - set(comps0) == {"cuda_malloc_async", "agreement"} and set(comps0) <= set(comps1)
+    assert comps1["agreement"][0] == "active"
     for name, (status, reason, rest) in comps0.items():
         status1, reason1, rest1 = comps1[name]
         if name == "cpu_blas":  # what it does depends on the machine's CPU and MKL, not on the code

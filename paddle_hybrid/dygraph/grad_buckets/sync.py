@@ -114,9 +114,8 @@ class GradBuckets:
         return [entry for b in self.buckets for entry in b.layout()]
 
     def _check_layout(self, timeout: float) -> None:
-        ranks = self.group.ranks if self.group is not None else list(range(self.nranks))
         gather_and_compare(
-            self.layout(), group=self.group, ranks=ranks, timeout=timeout, what="gradient-bucket layout",
+            self.layout(), group=self.group, timeout=timeout, what="gradient-bucket layout",
             describe=lambda e: f"bucket {e[0]}: parameter {e[1]!r} shape {e[2]} {e[3]}",
             fix="Every rank of the data-parallel group must build the same model with the same trainable "
                 "parameters; to run without buckets set strategy.fuse_all_reduce_ops=False.",
@@ -318,7 +317,6 @@ class GradBuckets:
         self._stats[how] += 1
 
     def _sync_error(self, bucket, exc):
-        ranks = self.group.ranks if self.group is not None else list(range(self.nranks))
         return GradSyncError(
             f"all_reduce of gradient bucket {bucket.index} ({len(bucket.params)} parameters from "
             f"{bucket.params[0].name}, {bucket.nbytes} bytes) over ranks {ranks} failed: {exc}. "

@@ -80,7 +80,7 @@ def _bucket_params(model) -> list:
     return [p for p in params if id(p) not in shared]
 
 
-def attach_buckets(model, strategy, hcg, max_params: int = 0):
+def attach_buckets(model, strategy, hcg, max_params: int = 0, layout_timeout: float | None = None):
     """Attach gradient buckets to a model returned by ``fleet.distributed_model`` if the
     strategy and the topology call for them; returns the buckets or None."""
     from paddle.distributed.fleet.meta_parallel import PipelineParallel
@@ -96,8 +96,9 @@ def attach_buckets(model, strategy, hcg, max_params: int = 0):
                       "(MixPrecisionLayer); Paddle's gradient sync stays.", RuntimeWarning, stacklevel=3)
         return None
     pipeline = isinstance(model, PipelineParallel)
+    timeout = {} if layout_timeout is None else {"layout_timeout": layout_timeout}
     buckets = GradBuckets(params, group=hcg.get_data_parallel_group(), bucket_size_mb=strategy.fuse_grad_size_in_MB,
-                          max_params=max_params, finish_at_backward_end=not pipeline)
+                          max_params=max_params, finish_at_backward_end=not pipeline, **timeout)
     (_wire_pipeline if pipeline else _wire_data_parallel)(model, buckets)
     setattr(model, ATTR, buckets)
     buckets.on_remove(lambda: _del_attr(model, ATTR))
@@ -168,7 +169,7 @@ def _make_distributed_model(orig, config):
 
         out = orig(model)
         attach_buckets(out, fleet.fleet._user_defined_strategy, fleet.fleet._hcg,
-                       max_params=config.grad_bucket_max_params)
+                       max_params=config.grad_bucket_max_params, layout_timeout=config.timeout)
         return out
 
     return distributed_model

@@ -74,20 +74,25 @@ COMPONENT = Component("timeline", ("3.2.", "3.3."), "timeline", apply,
 
 # -- gathering ---------------------------------------------------------------------------
 
-def _gather(local_events):
+def _gather(local_events, timeout: float):
     """Every rank's events, on every rank, on one time base: ranks on another host than rank 0
     are shifted by the difference of their clocks read right after a barrier (on one host the
-    clock is shared and nothing is shifted)."""
+    clock is shared and nothing is shifted).  Exchanged as JSON through the job's store
+    (:mod:`paddle_hybrid.common.exchange`), within ``timeout`` seconds."""
     import time
 
     import paddle.distributed as dist
+
+    from ...common.exchange import exchange
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(local_events)
     dist.barrier()
     mine = {"host": socket.gethostname(), "clock": time.perf_counter(), "events": local_events}
-    everyone = []
-    dist.all_gather_object(everyone, mine)
+    ranks = list(range(dist.get_world_size()))
+    by_rank = exchange(mine, topic="timeline events", ranks=ranks, rank=dist.get_rank(), timeout=timeout,
+                       setting="PADDLE_HYBRID_TIMEOUT")
+    everyone = [by_rank[r] for r in ranks]
     host0, clock0 = everyone[0]["host"], everyone[0]["clock"]
     merged = []
     for part in everyone:
@@ -107,7 +112,9 @@ def finish(out_dir: str, num_stages: int, num_micro: int, num_chunks: int = 1, t
 
     from . import bubble, gantt, trace
 
-    merged = _gather(RECORDER.events)
+    from ...config import PluginConfig
+
+    merged = _gather(RECORDER.events, (COMPONENT.config or PluginConfig.from_env()).timeout)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     if not merged:

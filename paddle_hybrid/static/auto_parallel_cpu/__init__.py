@@ -159,7 +159,7 @@ def apply(config, patcher) -> None:
 
     patcher.check_params(process_group.ProcessGroup.instantiate, ["self"], "ProcessGroup.instantiate")
     patcher.check_params(engine.Engine._parallel, ["self", "mode", "all_ranks"], "Engine._parallel")
-    timeout = config.static_pipeline_timeout
+    timeout = config.seconds("static_pipeline_timeout")
     patcher.answer(cluster, "paddle", {"device.cuda.get_device_properties": _cpu_device_properties},
                    when=_cpu_build, why="the cluster description of a CPU machine")
     patcher.answer(helper, "paddle", {"device.synchronize": _nothing_to_synchronize},

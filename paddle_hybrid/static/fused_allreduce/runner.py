@@ -16,11 +16,9 @@ CUDA build running on CPU takes the PIR one):
 
 Before the first step the runner checks that every rank built the same
 gradient layout (:func:`check_layout_across_ranks`, through
-:func:`paddle_hybrid.common.layout_check.gather_and_compare`).  If that check timed
-out, a thread is still blocked in a collective of the default group, so the
-group is unusable: constructing a runner and every :meth:`StaticRunner.run`
-raise :class:`~paddle_hybrid.common.layout_check.GroupUnusableError` instead of
-pairing a new collective with the stale one.
+:func:`paddle_hybrid.common.layout_check.gather_and_compare`): through the job's store, so a
+check that runs out of time names the missing ranks and leaves no collective of the default
+group behind.
 """
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ import numpy as np
 import paddle
 from paddle.base import framework
 
-from ...common.layout_check import DEFAULT_TIMEOUT, LayoutMismatchError, ensure_usable, gather_and_compare
+from ...common.layout_check import DEFAULT_TIMEOUT, LayoutMismatchError, gather_and_compare
 from .pir_repair import translate_with_repair
 from .plan import FusedLayout, describe_entry, layout_fingerprint
 
@@ -60,13 +58,14 @@ def ensure_process_group() -> None:
         dist.init_parallel_env()
 
 
-def check_layout_across_ranks(layout: FusedLayout, timeout: float = DEFAULT_TIMEOUT) -> str:
+def check_layout_across_ranks(layout: FusedLayout, timeout: float = DEFAULT_TIMEOUT,
+                              setting: str = "PADDLE_HYBRID_TIMEOUT") -> str:
     """Compare ``layout`` with every rank's; return its fingerprint.
 
     Raises :class:`~paddle_hybrid.common.layout_check.LayoutMismatchError` naming the first differing
-    gradient and the two ranks, ``TimeoutError`` after ``timeout`` seconds (never hangs; the
-    group is then unusable), or :class:`~paddle_hybrid.common.layout_check.GroupUnusableError` if an
-    earlier check of the group timed out.
+    gradient and the two ranks, or :class:`~paddle_hybrid.common.exchange.ExchangeTimeout` (a
+    ``TimeoutError``) after ``timeout`` seconds naming the ranks that did not arrive and
+    ``setting``; never hangs, and leaves no collective behind.
     """
     import paddle.distributed as dist
 
@@ -75,7 +74,7 @@ def check_layout_across_ranks(layout: FusedLayout, timeout: float = DEFAULT_TIME
         return fingerprint
     ensure_process_group()
     gather_and_compare(
-        layout.entries(), group=DP_GROUP, timeout=timeout, what="gradient layout of the fused all_reduce",
+        layout.entries(), group=DP_GROUP, timeout=timeout, setting=setting, what="gradient layout of the fused all_reduce",
         describe=describe_entry, error=LayoutMismatchError,
         fix="Every rank must build the same model with the same parameter names and the same strategy "
             "(fuse_grad_size_in_MB / fuse_grad_size_in_num).")
@@ -87,10 +86,9 @@ class StaticRunner:
 
     ``main_program`` must carry the layout (``_ph_fused_allreduce``) that
     :func:`.rewrite.apply_fuse_allreduce` stores.  ``check_timeout`` (seconds; None: the plugin
-    config's ``static_layout_check_timeout``, else
-    :data:`paddle_hybrid.common.layout_check.DEFAULT_TIMEOUT`) bounds the cross-rank layout check done at
-    construction.  Construction and :meth:`run` raise
-    :class:`~paddle_hybrid.common.layout_check.GroupUnusableError` once a check of the group timed out.
+    config's deadline, ``PluginConfig.seconds("static_layout_check_timeout")``, else
+    :data:`paddle_hybrid.config.DEFAULT_TIMEOUT`) bounds the cross-rank layout check done at
+    construction.
     """
 
     def __init__(self, main_program, startup_program=None, place=None, check_timeout: float | None = None):
@@ -98,7 +96,6 @@ class StaticRunner:
             raise TypeError(
                 f"StaticRunner: expected a legacy static Program, got {type(main_program).__name__}."
             )
-        ensure_usable(DP_GROUP)
         self.layout = getattr(main_program, "_ph_fused_allreduce", None)
         if self.layout is None:
             raise ValueError(
@@ -114,12 +111,14 @@ class StaticRunner:
         self.scope = paddle.static.global_scope()
         if self.pir:
             ensure_process_group()
+        setting = "check_timeout (StaticRunner)"
         if check_timeout is None:
             from ..registration import COMPONENT as registration
 
             cfg = registration.config
-            check_timeout = cfg.static_layout_check_timeout if cfg is not None else DEFAULT_TIMEOUT
-        self.fingerprint = check_layout_across_ranks(self.layout, check_timeout)
+            check_timeout = cfg.seconds("static_layout_check_timeout") if cfg is not None else DEFAULT_TIMEOUT
+            setting = cfg.deadline_setting("static_layout_check_timeout") if cfg is not None else "PADDLE_HYBRID_TIMEOUT"
+        self.fingerprint = check_layout_across_ranks(self.layout, check_timeout, setting)
         self._compiled: dict = {}
 
     def _translated(self, program):
@@ -130,14 +129,12 @@ class StaticRunner:
 
     def run_startup(self) -> None:
         """Initialise the parameters (and broadcast them from rank 0)."""
-        ensure_usable(DP_GROUP)
         if self.startup_program is None:
             raise ValueError("StaticRunner.run_startup: no startup_program was given.")
         self._run(self.startup_program, None, [])
 
     def run(self, feed=None, fetch_list=None):
         """One step of the main program; ``fetch_list`` holds names or Variables."""
-        ensure_usable(DP_GROUP)
         return self._run(self.main_program, feed, fetch_list or [])
 
     def _run(self, program, feed, fetch_list):

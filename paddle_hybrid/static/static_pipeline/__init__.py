@@ -158,7 +158,7 @@ def apply(config, patcher) -> None:
 
     patcher.check_params(fleet_pipeline.PipelineOptimizer._init_process_group,
                          ["self", "pipeline_pair", "pipeline_ring_map"], "fleet PipelineOptimizer._init_process_group")
-    timeout = config.static_pipeline_timeout
+    timeout = config.seconds("static_pipeline_timeout")
     previous = lowering._timeout[0]
     lowering.set_timeout(timeout)
     patcher.on_revert(lambda: lowering.set_timeout(previous), "static_pipeline send timeout")

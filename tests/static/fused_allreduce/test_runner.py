@@ -1,6 +1,4 @@
 """StaticRunner in one process: what it refuses (the 2-rank runs are in test_train_2proc.py)."""
-import threading
-
 import paddle
 import paddle.distributed as dist
 import pytest
@@ -37,59 +35,46 @@ def test_runner_takes_the_check_timeout_from_the_plugin_config():
     assert runner_.fingerprint == layout_fingerprint(main._ph_fused_allreduce)
 
 
-def test_runner_refuses_the_group_after_a_layout_check_timeout(monkeypatch):
-    """The layout check's all_gather never returns (a rank that never joins): construction
-    raises TimeoutError after the timeout, and from then on the default group is unusable: a
-    runner built before refuses to run, a new one refuses to be built (the old runner raised
-    TimeoutError again and would have run on the group)."""
-    monkeypatch.setattr(layout_check, "_unusable", {})  # restored after the test
+class _LonelyStore:
+    """The job's store as rank 0 sees it when rank 1 never publishes."""
+
+    def __init__(self):
+        self.values, self.counters = {}, {}
+
+    def set(self, key, value):
+        self.values[key] = value.encode()
+
+    def get(self, key):
+        return self.values[key]
+
+    def add(self, key, amount):
+        self.counters[key] = self.counters.get(key, 0) + amount
+        return self.counters[key]
+
+
+class _EchoStore(_LonelyStore):
+    """Rank 1 publishes whatever rank 0 publishes: the ranks agree."""
+
+    def set(self, key, value):
+        super().set(key, value)
+        super().set(key[: key.rindex("/")] + "/1", value)
+        super().add(key[: key.rindex("/")] + "/1/published", 1)
+
+
+def test_a_layout_check_that_runs_out_of_time_names_the_missing_rank_and_leaves_the_runner_usable(monkeypatch):
+    """Rank 1 never publishes its layout: construction raises after the timeout naming rank 1 and
+    the deadline's setting, in static mode as before; nothing is left blocked, so the next check,
+    with rank 1 there, passes (before, the collective left behind made the group unusable)."""
+    from paddle_hybrid.common import exchange
+
     main, startup = _program()
-    earlier = StaticRunner(main, startup, check_timeout=1.0)  # one rank: nothing to check
-    release = threading.Event()
     monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 0)
     monkeypatch.setattr(runner, "ensure_process_group", lambda: None)
-    monkeypatch.setattr(dist, "all_gather_object", lambda *args, **kwargs: release.wait(60))
-    try:
-        with pytest.raises(TimeoutError, match="within 0 s"):
-            StaticRunner(main, startup, check_timeout=0.3)
-        with pytest.raises(layout_check.GroupUnusableError, match="default"):
-            StaticRunner(main, startup, check_timeout=0.3)
-        with pytest.raises(layout_check.GroupUnusableError):
-            earlier.run(feed={}, fetch_list=[])
-        with pytest.raises(layout_check.GroupUnusableError):
-            earlier.run_startup()
-    finally:
-        release.set()  # let the blocked thread finish
-
-
-def test_a_timed_out_layout_check_leaves_the_static_mode_state_alone(monkeypatch):
-    """The gather thread blocks for good (a rank that never joins).  After the TimeoutError the
-    caller is still in static mode with its own default programs and unique-name generator:
-    the dygraph guard the gather needs was entered and left by the caller, not by the thread
-    (which, blocked inside it, would leave them swapped for the rest of the process)."""
-    from paddle.base import framework
-    from paddle.base import unique_name as names
-
-    monkeypatch.setattr(layout_check, "_unusable", {})
-    release = threading.Event()
-    seen_dynamic = []
-
-    def blocked_gather(*args, **kwargs):
-        seen_dynamic.append(paddle.in_dynamic_mode())
-        release.wait(60)
-
-    monkeypatch.setattr(dist, "all_gather_object", blocked_gather)
+    monkeypatch.setattr(exchange, "job_store", _LonelyStore)
     paddle.enable_static()
-    main, startup = paddle.static.default_main_program(), paddle.static.default_startup_program()
-    generator = names.generator
-    try:
-        with pytest.raises(TimeoutError, match="within 0 s"):
-            layout_check.gather_and_compare([1], timeout=0.3, what="probe layout", fix="none")
-        assert not paddle.in_dynamic_mode()
-        assert paddle.static.default_main_program() is main
-        assert paddle.static.default_startup_program() is startup
-        assert names.generator is generator
-        assert framework._dygraph_tracer() is None
-        assert seen_dynamic == [True]  # the gather itself ran in dygraph
-    finally:
-        release.set()
+    with pytest.raises(TimeoutError, match=r"waited 0.3 s for rank 1.*check_timeout \(StaticRunner\)"):
+        StaticRunner(main, startup, check_timeout=0.3)
+    assert not paddle.in_dynamic_mode()
+    monkeypatch.setattr(exchange, "job_store", _EchoStore)
+    assert StaticRunner(main, startup, check_timeout=0.3).fingerprint == layout_fingerprint(main._ph_fused_allreduce)

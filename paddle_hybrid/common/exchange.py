@@ -1,0 +1,84 @@
+"""Every rank's small description of itself, read by every rank: through the job's TCP store, as
+JSON, with a deadline that names the ranks that did not arrive.
+
+Used where ranks must agree before training (the start-up agreement, the gradient-layout
+checks) and where rank 0 gathers what every rank recorded (the timeline).  Why not
+``paddle.distributed.all_gather_object``:
+
+* it unpickles what the other ranks send: a socket's bytes become code.  JSON cannot;
+* it is a collective: on gloo it fails after gloo's own 30 s whatever deadline the user set, a
+  timed-out one leaves a thread blocked in it that pairs with the group's next collective, and
+  its error does not say which rank is missing.  Reading the store with ``add(key, 0)`` (a
+  counter read that does not block) polls until the user's deadline, names every missing rank,
+  and leaves nothing behind.
+
+Keys are ``paddle_hybrid/<topic>/<n>/...`` where ``n`` counts this process's exchanges of that
+topic among those ranks: every rank makes the same exchanges in the same order, so the n-th of
+one rank meets the n-th of the others.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+__all__ = ["ExchangeTimeout", "exchange", "job_store"]
+
+_POLL = 0.005  # seconds between two reads of the store's counters
+_counts: collections.Counter = collections.Counter()
+
+
+class ExchangeTimeout(TimeoutError):
+    """Some ranks did not publish within the deadline; ``missing`` holds their global ranks."""
+
+    def __init__(self, message: str, missing: list):
+        super().__init__(message)
+        self.missing = missing
+
+
+def job_store():
+    """The job's TCP store (Paddle's global store; created with the default process group)."""
+    import paddle.distributed as dist
+    from paddle.base import core
+
+    if not dist.is_initialized():
+        raise RuntimeError("paddle_hybrid: the ranks cannot compare anything before paddle.distributed is "
+                           "initialised (fleet.init or paddle.distributed.init_parallel_env).")
+    return core.create_or_get_global_tcp_store()
+
+
+def _describe_ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def exchange(payload, *, topic: str, ranks: list, rank: int, timeout: float, setting: str, store=None) -> dict:
+    """Publish ``payload`` (JSON-serialisable; anything else is written with ``str``) as global
+    rank ``rank`` and return ``{global rank: payload}`` of every rank in ``ranks``.
+
+    Raises :class:`ExchangeTimeout` after ``timeout`` seconds naming the ranks that did not
+    publish and ``setting``, the deadline's name (``PADDLE_HYBRID_TIMEOUT``)."""
+    store = store if store is not None else job_store()
+    ranks = sorted(ranks)
+    scope = f"paddle_hybrid/{topic}/{'-'.join(map(str, ranks))}"
+    n = _counts[scope]
+    _counts[scope] += 1
+    key = f"{scope}/{n}"
+    store.set(f"{key}/{rank}", json.dumps(payload, sort_keys=True, default=str))
+    store.add(f"{key}/{rank}/published", 1)
+    _wait_for_all(store, key, ranks, timeout, topic, setting)
+    return {r: json.loads(store.get(f"{key}/{r}")) for r in ranks}
+
+
+def _wait_for_all(store, key: str, ranks: list, timeout: float, topic: str, setting: str) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = list(ranks)
+    while True:
+        waiting = [r for r in waiting if store.add(f"{key}/{r}/published", 0) < 1]
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            raise ExchangeTimeout(
+                f"paddle_hybrid: {topic}: waited {timeout:g} s for {_describe_ranks(waiting)}, which did not "
+                f"arrive (crashed, hung, or running other code). The deadline is {setting}; raise it if "
+                "those ranks are only slow.", waiting)
+        time.sleep(_POLL)
