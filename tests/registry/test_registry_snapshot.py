@@ -15,7 +15,10 @@ the ones the restructure made on purpose, each named here:
 4. ``cuda_malloc_async`` is a component of its own (one more line; ``cuda_graph.pipeline`` no
    longer mentions it); cpu_blas's off reason is the gate's;
 5. a new component, ``agreement`` (issue 25: the ranks compare their settings at
-   ``fleet.distributed_model``), wraps ``fleet.distributed_model``.
+   ``fleet.distributed_model``), wraps ``fleet.distributed_model``;
+6. the cpu component's new concern ``gloo_deadline`` (issue 25: gloo groups obey
+   ``PADDLE_HYBRID_TIMEOUT``) wraps ``_new_process_group_impl`` in ``collective`` (again) and in
+   ``parallel``.
 """
 import json
 import os
@@ -87,6 +90,9 @@ def _expected_patches(case, before_case, forced_on_now):
             expected |= {(component, owner, name, "module", "DeviceAnswers") for owner, name in answers}
     expected.add(("agreement", "paddle.distributed.fleet", "distributed_model", "distributed_model",
                   "distributed_model"))  # change 5
+    if "cpu" in active:  # change 6
+        expected |= {("cpu", owner, "_new_process_group_impl", "_new_process_group_impl", "_new_process_group_impl")
+                     for owner in ("paddle.distributed.collective", "paddle.distributed.parallel")}
     return expected
 
 

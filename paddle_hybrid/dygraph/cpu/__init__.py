@@ -12,6 +12,8 @@ concern                    what it fixes (details in the module's docstring)
 :mod:`.device_id`          ``ParallelEnv().device_id`` missing on CPU
 :mod:`.synchronize`        ``paddle.device.synchronize()`` refuses the CPU place
 :mod:`.groups`             gloo group start-up race; per-neighbour p2p groups
+:mod:`.gloo_deadline`      every gloo group waits ``PADDLE_HYBRID_TIMEOUT``, not
+                           gloo's 30 s
 :mod:`.p2p`                pipeline p2p on the pair groups; batched p2p on gloo
 :mod:`.collectives`        reduce_scatter, which gloo lacks
 :mod:`.tensor_parallel`    mp ops without CPU kernels (identity, split, concat,
@@ -49,7 +51,14 @@ CONCERNS = ["device_id", "synchronize", "groups", "p2p", "collectives", "tensor_
 
 
 def apply(config, patcher: Patcher) -> None:
+    from . import gloo_deadline
+
     patcher.apply_modules(__name__, CONCERNS)
+    try:
+        gloo_deadline.apply(patcher, config)  # the one concern that needs the config: its deadline
+    except BaseException:
+        patcher.revert()
+        raise
 
 
 COMPONENT = Component("cpu", ("3.2.", "3.3."), "cpu_hybrid", apply)

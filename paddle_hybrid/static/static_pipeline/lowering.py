@@ -144,7 +144,7 @@ def recv(ring_id: int, peer: int, shape, dtype):
             info.group.recv(t, peer, True).wait()
         except Exception as exc:  # gloo's timeout names no ring
             raise RingTimeoutError(f"paddle_hybrid.static.static_pipeline: {info.describe()}: receiving from ring rank "
-                                   f"{peer} failed (PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT bounds the wait): {exc}") from exc
+                                   f"{peer} failed (PADDLE_HYBRID_TIMEOUT bounds the wait, or PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT when set): {exc}") from exc
         return t.numpy()
 
 

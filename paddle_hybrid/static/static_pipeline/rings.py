@@ -82,6 +82,20 @@ def ring(ring_id: int) -> RingInfo:
     return info
 
 
+def _set_deadline(group, timeout: float) -> None:
+    """The ring's gloo operations wait ``timeout`` (the static pipeline's deadline), not gloo's 30 s;
+    where this Paddle does not allow it, gloo's 30 s stays and one warning says so."""
+    import warnings
+
+    from ...common import gloo_timeout
+
+    try:
+        gloo_timeout.set_timeout_ms(group, int(timeout * 1000))
+    except gloo_timeout.GlooTimeoutUnavailable as exc:
+        warnings.warn(f"paddle_hybrid.static.static_pipeline: the rings keep gloo's 30 s timeout ({exc}).",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _global_store():
     from paddle.base import core
 
@@ -149,6 +163,7 @@ def create_ring(info: RingInfo, call: int, timeout: float) -> None:
     except Exception as exc:  # the store and gloo raise generic errors: say which ring
         raise RingTimeoutError(f"paddle_hybrid.static.static_pipeline: creating the gloo group of {info.describe()} "
                                f"failed: {exc}") from exc
+    _set_deadline(info.group, timeout)
     rings[info.ring_id] = info
 
 

@@ -1,0 +1,36 @@
+"""Gloo groups obey PADDLE_HYBRID_TIMEOUT (2 gloo ranks, times scaled down from the user's case
+of a 45 s pause against 30 s): a rank 4 s late passes with a deadline of 10 s and fails after
+about 2 s with a deadline of 2 s, in a collective on the global group and in a p2p exchange on
+a new group.
+
+Seen failing first: before the deadline concern both groups held gloo's 30000 ms, and with
+PADDLE_HYBRID_TIMEOUT=2 the late rank's operations still succeeded after 4 s."""
+import os
+
+import pytest
+
+from paddle_hybrid.common import gloo_timeout
+from paddle_hybrid.testing import launch
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_deadline.py")
+
+needs_gloo_timeout = pytest.mark.skipif(not gloo_timeout.available()[0], reason=str(gloo_timeout.available()[1]))
+
+
+@needs_gloo_timeout
+def test_a_late_rank_within_the_deadline_passes():
+    results = launch(WORKER, 2, args=["--late", "4"], timeout=180, env={"PADDLE_HYBRID_TIMEOUT": "10"})
+    for rank, out in enumerate(results):
+        assert out["timeouts_ms"] == [10000, 10000], (rank, out)
+        assert out["all_reduce"]["ok"] and out["p2p"]["ok"], (rank, out)
+    assert 3.5 < results[0]["all_reduce"]["seconds"] < 8 and 3.5 < results[0]["p2p"]["seconds"] < 8, results[0]
+
+
+@needs_gloo_timeout
+def test_a_rank_later_than_the_deadline_fails_at_the_deadline():
+    results = launch(WORKER, 2, args=["--late", "4"], timeout=180, env={"PADDLE_HYBRID_TIMEOUT": "2"})
+    out = results[0]
+    assert out["timeouts_ms"] == [2000, 2000], out
+    assert not out["all_reduce"]["ok"] and "TIMEOUT" in out["all_reduce"]["error"].upper(), out
+    assert 1.5 < out["all_reduce"]["seconds"] < 3.5, out
+    assert not out["p2p"]["ok"] and 1.5 < out["p2p"]["seconds"] < 3.5, out

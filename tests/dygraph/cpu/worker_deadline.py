@@ -1,0 +1,52 @@
+"""Worker: rank 1 reaches a collective and a p2p exchange late; rank 0 waits.
+
+    launch(__file__, 2, args=["--late", SECONDS], env={"PADDLE_HYBRID_TIMEOUT": DEADLINE})
+
+Rank 1 sleeps ``--late`` seconds before an all_reduce on the global group (made by
+``init_parallel_env``) and again before a send on a ``new_group``; rank 0 calls both at once.
+Reports, per operation, whether it finished, its error's first line, and the seconds it took,
+and the timeout each group's gloo context holds.
+"""
+import argparse
+import time
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    try:
+        fn()
+        return {"ok": True, "error": None, "seconds": time.perf_counter() - start}
+    except Exception as exc:  # reported to the test
+        return {"ok": False, "error": str(exc).strip().splitlines()[0][:300], "seconds": time.perf_counter() - start}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--late", type=float, required=True)
+    args = parser.parse_args()
+
+    import paddle
+    import paddle.distributed as dist
+
+    import paddle_hybrid  # noqa: F401
+    from paddle_hybrid.common import gloo_timeout
+    from paddle_hybrid.testing import save_result
+
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1])
+    out = {"timeouts_ms": [gloo_timeout.get_timeout_ms(dist.collective._get_global_group().process_group),
+                           gloo_timeout.get_timeout_ms(pair.process_group)]}
+    if rank == 1:
+        time.sleep(args.late)
+    out["all_reduce"] = _timed(lambda: dist.all_reduce(paddle.ones([4])))
+    if rank == 1:
+        time.sleep(args.late)
+        out["p2p"] = _timed(lambda: dist.send(paddle.ones([4]), dst=0, group=pair))
+    else:
+        out["p2p"] = _timed(lambda: dist.recv(paddle.zeros([4]), src=1, group=pair))
+    save_result(out)
+
+
+if __name__ == "__main__":
+    main()
