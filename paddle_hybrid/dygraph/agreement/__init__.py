@@ -13,7 +13,7 @@ nor the rank.  Compared, as JSON through the job's store (:mod:`paddle_hybrid.co
 * the pipeline schedule (``pipeline_configs``: ``accumulate_steps``, ``micro_batch_size``,
   ``schedule_mode``, ...), and ``fuse_all_reduce_ops`` / ``fuse_grad_size_in_MB``, which decide
   the gradient buckets (their layout is compared when they are built);
-* the class of the model and its number of parameters and their elements.
+* the class of the model (not its parameters: each pipeline stage holds its own).
 
 The wait is bounded by ``PluginConfig.timeout`` (``PADDLE_HYBRID_TIMEOUT``); a rank that does not
 arrive is named.  Only the store is used, no collective and no device memory, so the check is
@@ -65,10 +65,7 @@ def describe_run(config, strategy, model) -> dict:
             run[f"pipeline_configs.{key}"] = _plain(value)
         for name in _STRATEGY_FIELDS:
             run[f"strategy.{name}"] = _plain(getattr(strategy, name))
-    params = list(model.parameters()) if hasattr(model, "parameters") else []
     run["model"] = f"{type(model).__module__}.{type(model).__qualname__}"
-    run["model parameters"] = len(params)
-    run["model elements"] = int(sum(int(p.numel()) for p in params))
     return run
 
 
