@@ -13,7 +13,8 @@ executed and been tested.  Two different questions are asked, and each has one a
 """
 from __future__ import annotations
 
-__all__ = ["accelerator_build", "cuda_build", "xpu_build", "cuda_devices", "is_gloo", "on_cpu", "running_on_cpu"]
+__all__ = ["accelerator_build", "cuda_build", "xpu_build", "cuda_devices", "is_gloo", "on_cpu", "running_on_cpu",
+           "custom_device_types_with_cpu"]
 
 
 def accelerator_build() -> str | None:
@@ -88,3 +89,12 @@ def running_on_cpu() -> bool:
     import paddle
 
     return paddle.get_device().split(":")[0] == "cpu"
+
+
+def custom_device_types_with_cpu() -> list:
+    """The custom device types Paddle lists (asked at each call), and the CPU: what a device
+    answer (``Patcher.answer``) gives a Paddle check that accepts only GPU, XPU or a custom
+    device, on a CPU run."""
+    import paddle
+
+    return [*list(paddle.device.get_all_custom_device_type() or []), "cpu"]

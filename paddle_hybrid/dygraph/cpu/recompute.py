@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from ...registry.device import is_gloo, on_cpu, running_on_cpu
+from ...registry.device import custom_device_types_with_cpu, is_gloo, on_cpu, running_on_cpu
 
 __all__ = ["apply"]
 
@@ -55,13 +55,6 @@ _FORWARD_PARAMS = ["ctx", "run_function", "all_outputs", "mp_group", "offload", 
                    "custom_get_state_func", "custom_set_state_func", "args", "kwargs"]
 # A constant of the stock forward's code: the gate this concern answers for the CPU.
 _GATE_MESSAGE = "Recompute with RNG is not support current device"
-
-
-def _custom_types_with_cpu():
-    """The custom device types Paddle lists (asked at each call), and the CPU."""
-    import paddle
-
-    return [*list(paddle.device.get_all_custom_device_type() or []), "cpu"]
 
 
 def _asks_the_device_gate(fn) -> bool:
@@ -151,7 +144,7 @@ def apply(patcher) -> None:
     import paddle
 
     patcher.answer(hybrid, "paddle", {"device.get_all_custom_device_type":
-                                      _custom_types_with_cpu},
+                                      custom_device_types_with_cpu},
                    when=running_on_cpu, why="the recompute forward's device gate on a CPU run")
     patcher.set(fn_cls, "forward", staticmethod(_make_forward(stock_forward)))
     patcher.set(hybrid, "_split_activation", _make_split(stock_split))

@@ -59,7 +59,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ...registry.device import is_gloo, on_cpu, running_on_cpu
+from ...registry.device import custom_device_types_with_cpu, is_gloo, on_cpu, running_on_cpu
 from ...registry.patching import PatchSignatureError
 
 __all__ = ["apply", "CPU_ALIGNMENT_BYTES"]
@@ -130,13 +130,6 @@ def _make_default_device_init(orig):
 # ---------------------------------------------------------------------------
 # 4. group sharded (stage 2 / 3): the device checks accept CPU while the run is on the CPU
 # ---------------------------------------------------------------------------
-
-def _custom_types_with_cpu():
-    """The custom device types Paddle lists (asked at each call), and the CPU."""
-    import paddle
-
-    return [*list(paddle.device.get_all_custom_device_type() or []), "cpu"]
-
 
 def _compiled_with_cuda():
     """What the stage 2/3 constructors' build check hears on a CPU run: they use it only to refuse
@@ -250,7 +243,7 @@ def apply(patcher) -> None:
     # --- 4, 5: group sharded device checks and clipping -----------------------------------
     why = "group sharded device checks on a CPU run"
     patcher.answer(gs, "paddle", {"device.get_all_custom_device_type":
-                                  _custom_types_with_cpu},
+                                  custom_device_types_with_cpu},
                    when=running_on_cpu, why=why)
     patcher.answer(gso2, "core", {"is_compiled_with_cuda": _compiled_with_cuda}, when=running_on_cpu, why=why)
     patcher.answer(gso2, "paddle", {"get_device": _cpu_with_index}, when=running_on_cpu, why=why)
