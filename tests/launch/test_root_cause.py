@@ -6,16 +6,13 @@ launcher looks again (it polls once a second).  Paddle's rule (lowest failed ran
 rank 0; the launcher must name rank 1, every time, exit with its code, and show its log.
 Also: the exit watcher leaves reaping to ``Popen`` (Paddle's ``poll()`` still gets the code).
 """
-import os
 import subprocess
 import sys
 import time
 
 from paddle_hybrid.launch import exit_code as ec
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import root_cause_job  # noqa: E402
+from paddle_hybrid.testing import root_cause_job
 
 REPEAT = 5  # the lowest-rank rule named rank 0 in 15 of 20 runs on a 2-core machine; 5 runs take ~25 s
 

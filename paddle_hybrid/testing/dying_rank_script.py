@@ -1,6 +1,6 @@
 """A 2-rank job in which one rank dies after the process group is up and the other then
 fails collaterally in a collective: run by the root-cause tests of ``python -m
-paddle_hybrid.launch`` (``test_root_cause.py``) and by ``benchmarks/bench_launch_root_cause.py``.
+paddle_hybrid.launch`` (``tests/launch/test_root_cause.py``) and by ``benchmarks/bench_launch_root_cause.py``.
 
 ``--how exit``: rank ``--fail-rank`` ends with ``os._exit(--exit-code)`` (no Python exception,
 no exit hooks); ``--how raise``: it raises ``RuntimeError("boom")``.  The other ranks block in

@@ -1,5 +1,5 @@
-"""Run ``dying_rank_script.py`` under ``python -m paddle_hybrid.launch`` with 2 ranks and read
-what the launcher reported: used by ``test_root_cause.py`` and
+"""Run :mod:`.dying_rank_script` under ``python -m paddle_hybrid.launch`` (or another launcher)
+with 2 ranks and read what the launcher reported: used by ``tests/launch/test_root_cause.py`` and
 ``benchmarks/bench_launch_root_cause.py``."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the folder holding the package, for the workers' PYTHONPATH
 SCRIPT = os.path.join(HERE, "dying_rank_script.py")
 TIMEOUT = 120
 
