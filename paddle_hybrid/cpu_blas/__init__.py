@@ -21,7 +21,6 @@ Uninstalling unsets the variable; MKL keeps the kernels it chose for the rest of
 from __future__ import annotations
 
 import os
-import warnings
 
 from ..registry.component import Component, ComponentSkipped
 from . import machine

@@ -21,8 +21,6 @@ versions it was verified on.
 """
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import threading
 import warnings
 

@@ -141,8 +141,6 @@ def apply(patcher) -> None:
     stock_merge = patcher.require(hybrid, "_merge_activation", where)
     patcher.check_params(stock_merge, ["tensor", "mp_group"], "recompute_hybrid._merge_activation")
 
-    import paddle
-
     patcher.answer(hybrid, "paddle", {"device.get_all_custom_device_type":
                                       custom_device_types_with_cpu},
                    when=running_on_cpu, why="the recompute forward's device gate on a CPU run")

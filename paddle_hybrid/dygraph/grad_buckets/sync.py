@@ -317,6 +317,7 @@ class GradBuckets:
         self._stats[how] += 1
 
     def _sync_error(self, bucket, exc):
+        ranks = self.group.ranks if self.group is not None else list(range(self.nranks))
         return GradSyncError(
             f"all_reduce of gradient bucket {bucket.index} ({len(bucket.params)} parameters from "
             f"{bucket.params[0].name}, {bucket.nbytes} bytes) over ranks {ranks} failed: {exc}. "

@@ -6,7 +6,6 @@ from paddle.pir_utils import OldIrGuard
 from paddle.utils import unique_name
 
 import models
-from paddle_hybrid.common import layout_check
 from paddle_hybrid.static.fused_allreduce import (FuseAllreduceConfig, StaticRunner, apply_fuse_allreduce,
                                            layout_fingerprint, runner)
 
