@@ -61,13 +61,17 @@ class _Sender:
         self.pending = 0
         self.error = None
         self.cond = threading.Condition()
-        threading.Thread(target=self._loop, name=f"ph-pipeline-send-ring{ring_id}", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name=f"ph-pipeline-send-ring{ring_id}", daemon=True)
+        self.thread.start()
 
     def _loop(self):
         import paddle
 
         while True:
-            array, peer = self.queue.get()
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            array, peer = item
             try:
                 if self.error is None:
                     with _dygraph():
@@ -93,12 +97,20 @@ class _Sender:
                     f"received by the peer within {timeout:.0f} s (is every stage running the same steps?)")
         self._raise()
 
+    def stop(self, timeout: float) -> bool:
+        """End the thread once the sends queued before are done (or failed); True if it ended
+        within ``timeout`` seconds."""
+        self.queue.put(_STOP)
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
     def _raise(self):
         if self.error is not None:
             raise RuntimeError(f"paddle_hybrid.static.static_pipeline: a send on {ring(self.ring_id).describe()} "
                                f"failed: {self.error}") from self.error
 
 
+_STOP = object()  # queued by _Sender.stop: the thread's last item
 _senders: dict = {}  # ring id -> _Sender
 _timeout = [120.0]
 
@@ -125,6 +137,18 @@ def send(ring_id: int, peer: int, tensor, wait: bool) -> None:
 def wait_sends(ring_id: int) -> None:
     """``c_sync_comm_stream`` of ring ``ring_id``: wait for every queued send of the ring."""
     _sender(ring_id).drain(_timeout[0])
+
+
+def shutdown(timeout: float = 10.0) -> None:
+    """Stop every sender thread (at uninstall); forget their errors and a callback's failure."""
+    stuck = [ring_id for ring_id, sender in list(_senders.items()) if not sender.stop(timeout)]
+    _senders.clear()
+    _failure[0] = None
+    if stuck:
+        import warnings
+
+        warnings.warn(f"paddle_hybrid.static.static_pipeline: the sender threads of rings {stuck} are still blocked in "
+                      f"a send after {timeout:.0f} s; they end with the process.", RuntimeWarning, stacklevel=2)
 
 
 def drain_all() -> None:

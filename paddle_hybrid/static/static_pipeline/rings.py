@@ -63,7 +63,7 @@ rings: dict = {}
 """ring id -> :class:`RingInfo` of every ring this process created a gloo context for."""
 
 _calls = itertools.count()
-_stores: list = []  # the private stores live as long as the process (the contexts use them)
+_stores: list = []  # (store, "host:port" when this process hosts it): kept while the rings live
 
 
 def ring_size(ring_id: int) -> int:
@@ -123,7 +123,7 @@ def _wait_for(store, key: str, timeout: float, info: RingInfo) -> str:
 
 def ring_store(info: RingInfo, call, timeout: float):
     """The ring's private TCPStore, hosted by ring rank 0 (phases: publish or look up, connect);
-    ``call`` names this creation alike on every rank.  Kept for the life of the process."""
+    ``call`` names this creation alike on every rank.  Kept until :func:`close_all`."""
     from paddle.base import core
 
     from ...dygraph.cpu.groups import reserved_port
@@ -136,11 +136,26 @@ def ring_store(info: RingInfo, call, timeout: float):
             store.set(key, f"{host}:{port}")
             store.add(key + "/ready", 1)
             private = core.TCPStore(host, port, True, info.nranks, int(timeout))  # returns once all joined
+        _stores.append((private, f"{host}:{port}"))
     else:
         host, port = _wait_for(store, key, timeout, info).rsplit(":", 1)
         private = core.TCPStore(host, int(port), False, info.nranks, int(timeout))
-    _stores.append(private)
+        _stores.append((private, None))
     return private
+
+
+def hosted_store_addresses() -> list:
+    """``host:port`` of every ring store this process hosts (listens on)."""
+    return [address for _, address in _stores if address is not None]
+
+
+def close_all() -> None:
+    """Forget every ring, its gloo group and its store (at uninstall): the last references go, so
+    the groups close their connections and the stores this process hosts stop listening."""
+    for info in rings.values():
+        info.group = None
+    rings.clear()
+    _stores.clear()
 
 
 def create_ring(info: RingInfo, call: int, timeout: float) -> None:

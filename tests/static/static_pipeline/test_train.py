@@ -93,3 +93,24 @@ def test_a_missing_peer_fails_naming_the_ring():
     message = str(caught.value)
     assert "did not finish" not in message  # failed by itself, not killed by the launcher
     assert "paddle_hybrid.static.static_pipeline: ring 21" in message, message[-3000:]
+
+
+def test_uninstall_stops_the_sender_threads_and_forgets_the_rings():
+    """After a static pipeline trained, ``paddle_hybrid.uninstall()`` leaves no thread of the plugin
+    and the plugin holds no ring.  Seen failing first: before, the senders
+    ("ph-pipeline-send-ring*") kept running.  What stays, and is asserted so that a change is
+    seen: the ring stores still listen (checked in /proc/self/net/tcp on the rank that hosts
+    one), because Paddle's comm-context manager keeps every gloo context and its store for the
+    life of the process and has no call to release one."""
+    results = launch(os.path.join(HERE, "worker_pipeline.py"), nprocs=2, args=["--steps", "1", "--uninstall-after"],
+                     timeout=240)
+    hosted = 0
+    for rank, out in enumerate(results):
+        seen = out["leftovers"]
+        assert seen["before"]["threads"], (rank, seen)  # the senders ran
+        assert seen["before"]["listening"] == seen["before"]["ring_ports"], (rank, seen)
+        hosted += len(seen["before"]["ring_ports"])
+        assert seen["after"]["threads"] == [] and seen["after"]["rings"] == [] and seen["after"]["hosted"] == [], \
+            (rank, seen)
+        assert seen["after"]["listening"] == seen["before"]["listening"], (rank, seen)  # Paddle keeps them
+    assert hosted >= 1  # some rank hosted a ring store

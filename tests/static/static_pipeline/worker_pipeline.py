@@ -95,6 +95,8 @@ def main_():
     parser.add_argument("--last-stage-steps", type=int, default=None,
                         help="the last stage stops after this many steps (the others then must fail, not hang)")
     parser.add_argument("--feed", action="store_true", help="feed dicts (a step's micro-batches) instead of a DataLoader")
+    parser.add_argument("--uninstall-after", action="store_true",
+                        help="after training, report the plugin's threads and listening sockets, uninstall, report again")
     args = parser.parse_args()
 
     from paddle.distributed import fleet
@@ -133,9 +135,49 @@ def main_():
         except AssertionError as exc:
             checked = f"SendLifetimeError: {exc}"
         op_types = [op.type for op in block.ops]
+    leftovers = _uninstall_and_look() if args.uninstall_after else None
     save_result({"stage": stage, "losses": losses, "params": params,
-                 "checker": checked, "ph_nops": op_types.count(ops.NOP_OP),
+                 "checker": checked, "ph_nops": op_types.count(ops.NOP_OP), "leftovers": leftovers,
                  "sends": op_types.count("send_v2"), "send_wait_env": os.environ.get("PADDLE_HYBRID_PIPELINE_SEND_WAIT")})
+
+
+def _listening_ports() -> set:
+    """TCP ports this process listens on (its socket inodes in /proc/self/fd, state LISTEN)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _uninstall_and_look() -> dict:
+    import gc
+    import threading
+
+    from paddle_hybrid.static.static_pipeline import rings
+
+    def plugin_threads():
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("ph-") and t.is_alive())
+
+    ring_ports = {int(address.rsplit(":", 1)[1]) for address in rings.hosted_store_addresses()}
+    before = {"threads": plugin_threads(), "ring_ports": sorted(ring_ports),
+              "listening": sorted(_listening_ports() & ring_ports)}
+    paddle_hybrid.uninstall()
+    gc.collect()
+    after = {"threads": plugin_threads(), "listening": sorted(_listening_ports() & ring_ports),
+             "rings": sorted(rings.rings), "hosted": rings.hosted_store_addresses()}
+    return {"before": before, "after": after}
 
 
 if __name__ == "__main__":
