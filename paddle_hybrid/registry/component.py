@@ -58,6 +58,9 @@ class Component:
     """What ``report()`` says when its switch is off, if not the gate's words."""
     state: ComponentState | None = dataclasses.field(default=None, repr=False)
     """Set by the registry: None until :func:`~.install.install` reached it."""
+    registry: object = dataclasses.field(default=None, repr=False)
+    """The registry that lists it (:mod:`.install`, set when that module loads): what a feature
+    turning itself on or off calls (:meth:`reinstall`, :meth:`remove`) without importing it."""
 
     @property
     def off_switch(self) -> str:
@@ -78,6 +81,14 @@ class Component:
     def config(self):
         """The config it was installed with, else None."""
         return self.state.config if self.state is not None else None
+
+    def reinstall(self, config) -> ComponentState:
+        """Install this component again with ``config``, on its own (the timeline's ``enable``)."""
+        return self.registry.install_component(self, config)
+
+    def remove(self) -> None:
+        """Undo this component, on its own (the timeline's ``disable``)."""
+        self.registry.uninstall_component(self)
 
     def patched(self) -> list:
         """``(owner, attribute name)`` of every Paddle attribute it replaced (none when inactive)."""

@@ -21,6 +21,7 @@ versions it was verified on.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -38,6 +39,9 @@ __all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "curren
 class InstallError(RuntimeError):
     """A component failed to install; nothing of the plugin is installed."""
 
+
+for _component in COMPONENTS:  # each feature reaches the registry through its own declaration
+    _component.registry = sys.modules[__name__]
 
 _lock = threading.RLock()
 _installed: list[Component] = []  # components with a state, in install order

@@ -33,24 +33,22 @@ def enable() -> None:
     import dataclasses
 
     from ...config import PluginConfig
-    from ...registry.install import current_config, install_component, is_verified
 
     if is_enabled():
         return
-    ok, message = is_verified(COMPONENT)
+    registry = COMPONENT.registry
+    ok, message = registry.is_verified(COMPONENT)
     if not ok:
         raise RuntimeError(message.replace("skipped", "not recording"))
-    config = dataclasses.replace(current_config() or PluginConfig.from_env(), timeline=True)
-    state = install_component(COMPONENT, config)
+    config = dataclasses.replace(registry.current_config() or PluginConfig.from_env(), timeline=True)
+    state = COMPONENT.reinstall(config)
     if state.status != "active":
         raise RuntimeError(f"paddle_hybrid.timeline: not recording: {state.reason}")
 
 
 def disable() -> None:
     """Stop recording (the events recorded so far stay in :data:`RECORDER`)."""
-    from ...registry.install import uninstall_component
-
-    uninstall_component(COMPONENT)
+    COMPONENT.remove()
 
 
 def is_enabled() -> bool:
