@@ -9,8 +9,8 @@ checks) and where rank 0 gathers what every rank recorded (the timeline).  Why n
 * it is a collective: on gloo it fails after gloo's own 30 s whatever deadline the user set, a
   timed-out one leaves a thread blocked in it that pairs with the group's next collective, and
   its error does not say which rank is missing.  Reading the store with ``add(key, 0)`` (a
-  counter read that does not block) polls until the user's deadline, names every missing rank,
-  and leaves nothing behind.
+  counter read that does not block) polls until the user's deadline, names every missing rank
+  (each rank adds its own bit to a presence counter), and leaves nothing behind.
 
 Keys are ``paddle_hybrid/<topic>/<n>/...`` where ``n`` counts this process's exchanges of that
 topic among those ranks: every rank makes the same exchanges in the same order, so the n-th of
@@ -51,29 +51,42 @@ def _describe_ranks(ranks: list) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
+_BITS = 62  # ranks per presence counter: one bit each, the sum stays inside a signed 64-bit integer
+
+
 def exchange(payload, *, topic: str, ranks: list, rank: int, timeout: float, setting: str, store=None) -> dict:
     """Publish ``payload`` (JSON-serialisable; anything else is written with ``str``) as global
     rank ``rank`` and return ``{global rank: payload}`` of every rank in ``ranks``.
 
     Raises :class:`ExchangeTimeout` after ``timeout`` seconds naming the ranks that did not
-    publish and ``setting``, the deadline's name (``PADDLE_HYBRID_TIMEOUT``)."""
+    publish and ``setting``, the deadline's name (``PADDLE_HYBRID_TIMEOUT``).
+
+    Each store request is a round trip (about 40 ms on one machine: the store's client waits for
+    the delayed acknowledgement of its request), so the happy path makes few: the value is ``set``
+    (no reply awaited); arriving is one ``add`` of this rank's bit to a presence counter, whose sum
+    says who has arrived; then one ``get`` per other rank."""
     store = store if store is not None else job_store()
     ranks = sorted(ranks)
     scope = f"paddle_hybrid/{topic}/{'-'.join(map(str, ranks))}"
     n = _counts[scope]
     _counts[scope] += 1
     key = f"{scope}/{n}"
-    store.set(f"{key}/{rank}", json.dumps(payload, sort_keys=True, default=str))
-    store.add(f"{key}/{rank}/published", 1)
-    _wait_for_all(store, key, ranks, timeout, topic, setting)
-    return {r: json.loads(store.get(f"{key}/{r}")) for r in ranks}
+    text = json.dumps(payload, sort_keys=True, default=str)
+    store.set(f"{key}/{rank}", text)
+    index = ranks.index(rank)
+    seen = {index // _BITS: store.add(f"{key}/present/{index // _BITS}", 1 << (index % _BITS))}
+    _wait_for_all(store, key, ranks, seen, timeout, topic, setting)
+    return {r: (json.loads(text) if r == rank else json.loads(store.get(f"{key}/{r}"))) for r in ranks}
 
 
-def _wait_for_all(store, key: str, ranks: list, timeout: float, topic: str, setting: str) -> None:
+def _missing(ranks: list, seen: dict) -> list:
+    return [r for i, r in enumerate(ranks) if not (seen.get(i // _BITS, 0) >> (i % _BITS)) & 1]
+
+
+def _wait_for_all(store, key: str, ranks: list, seen: dict, timeout: float, topic: str, setting: str) -> None:
     deadline = time.monotonic() + timeout
-    waiting = list(ranks)
     while True:
-        waiting = [r for r in waiting if store.add(f"{key}/{r}/published", 0) < 1]
+        waiting = _missing(ranks, seen)
         if not waiting:
             return
         if time.monotonic() >= deadline:
@@ -82,3 +95,5 @@ def _wait_for_all(store, key: str, ranks: list, timeout: float, topic: str, sett
                 f"arrive (crashed, hung, or running other code). The deadline is {setting}; raise it if "
                 "those ranks are only slow.", waiting)
         time.sleep(_POLL)
+        for chunk in {ranks.index(r) // _BITS for r in waiting}:
+            seen[chunk] = store.add(f"{key}/present/{chunk}", 0)

@@ -56,8 +56,9 @@ class _EchoStore(_LonelyStore):
 
     def set(self, key, value):
         super().set(key, value)
-        super().set(key[: key.rindex("/")] + "/1", value)
-        super().add(key[: key.rindex("/")] + "/1/published", 1)
+        exchange_key = key[: key.rindex("/")]
+        super().set(exchange_key + "/1", value)
+        super().add(exchange_key + "/present/0", 1 << 1)  # rank 1's bit of the presence counter
 
 
 def test_a_layout_check_that_runs_out_of_time_names_the_missing_rank_and_leaves_the_runner_usable(monkeypatch):
