@@ -17,8 +17,9 @@ the ones the restructure made on purpose, each named here:
 5. a new component, ``agreement`` (issue 25: the ranks compare their settings at
    ``fleet.distributed_model``), wraps ``fleet.distributed_model``;
 6. the cpu component's new concern ``gloo_deadline`` (issue 25: gloo groups obey
-   ``PADDLE_HYBRID_TIMEOUT``) wraps ``_new_process_group_impl`` in ``collective`` (again) and in
-   ``parallel``.
+   ``PADDLE_HYBRID_TIMEOUT``, or a timeout given to ``new_group``) wraps
+   ``_new_process_group_impl`` in ``collective`` (again) and in ``parallel``, and ``new_group`` in
+   ``collective`` and ``paddle.distributed``.
 """
 import json
 import os
@@ -93,6 +94,8 @@ def _expected_patches(case, before_case, forced_on_now):
     if "cpu" in active:  # change 6
         expected |= {("cpu", owner, "_new_process_group_impl", "_new_process_group_impl", "_new_process_group_impl")
                      for owner in ("paddle.distributed.collective", "paddle.distributed.parallel")}
+        expected |= {("cpu", owner, "new_group", "new_group", "new_group")
+                     for owner in ("paddle.distributed.collective", "paddle.distributed")}
     return expected
 
 

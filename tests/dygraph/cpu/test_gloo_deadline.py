@@ -34,3 +34,16 @@ def test_a_rank_later_than_the_deadline_fails_at_the_deadline():
     assert not out["all_reduce"]["ok"] and "TIMEOUT" in out["all_reduce"]["error"].upper(), out
     assert 1.5 < out["all_reduce"]["seconds"] < 3.5, out
     assert not out["p2p"]["ok"] and 1.5 < out["p2p"]["seconds"] < 3.5, out
+
+
+@needs_gloo_timeout
+def test_a_timeout_given_to_new_group_is_that_groups_deadline():
+    """``new_group(timeout=timedelta(seconds=2))`` under PADDLE_HYBRID_TIMEOUT=10: that group waits
+    2 s (the p2p of a rank 4 s late fails), the global group 10 s (its all_reduce passes).  Before,
+    Paddle passed the timeout to no backend."""
+    results = launch(WORKER, 2, args=["--late", "4", "--group-timeout", "2"], timeout=180,
+                     env={"PADDLE_HYBRID_TIMEOUT": "10"})
+    out = results[0]
+    assert out["timeouts_ms"] == [10000, 2000], out
+    assert out["all_reduce"]["ok"], out
+    assert not out["p2p"]["ok"] and 1.5 < out["p2p"]["seconds"] < 3.5, out

@@ -3,7 +3,8 @@
     launch(__file__, 2, args=["--late", SECONDS], env={"PADDLE_HYBRID_TIMEOUT": DEADLINE})
 
 Rank 1 sleeps ``--late`` seconds before an all_reduce on the global group (made by
-``init_parallel_env``) and again before a send on a ``new_group``; rank 0 calls both at once.
+``init_parallel_env``) and again before a send on a ``new_group`` (made with ``timeout=`` when
+``--group-timeout`` is given); rank 0 calls both at once.
 Reports, per operation, whether it finished, its error's first line, and the seconds it took,
 and the timeout each group's gloo context holds.
 """
@@ -23,6 +24,7 @@ def _timed(fn):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--late", type=float, required=True)
+    parser.add_argument("--group-timeout", type=float, default=None, help="new_group(timeout=) in seconds")
     args = parser.parse_args()
 
     import paddle
@@ -34,7 +36,12 @@ def main():
 
     dist.init_parallel_env()
     rank = dist.get_rank()
-    pair = dist.new_group([0, 1])
+    if args.group_timeout is None:
+        pair = dist.new_group([0, 1])
+    else:
+        import datetime
+
+        pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=args.group_timeout))
     out = {"timeouts_ms": [gloo_timeout.get_timeout_ms(dist.collective._get_global_group().process_group),
                            gloo_timeout.get_timeout_ms(pair.process_group)]}
     if rank == 1:
