@@ -38,25 +38,18 @@ class GatedPath:
     field: str
     kind: str
     """``"unrun"`` (tri-state), ``"auto_on_off"`` or ``"opt_in"``."""
-    what: str
-    """What it is, for messages."""
 
 
 GATED: dict[str, GatedPath] = {p.field: p for p in (
-    GatedPath("pipeline_send_wait", "unrun",
-              "send-wait removes c_sync_comm_stream ops from static pipeline programs"),
-    GatedPath("static_fuse_allreduce", "unrun",
-              "the static fused all_reduce replaces RawProgramOptimizer (NCCL/BKCL all_reduce of fused buffers)"),
-    GatedPath("grad_buckets", "unrun",
-              "the dygraph gradient buckets replace Paddle's data-parallel gradient sync"),
-    GatedPath("pipeline_cudagraph", "unrun",
-              "PipelineLayer(use_cudagraph=True) captures CUDA graphs with the plugin's backend"),
-    GatedPath("cpu_hybrid", "auto_on_off", "the CPU/gloo emulations of fleet's hybrid parallel"),
-    GatedPath("expert_parallel", "auto_on_off", "the gloo all-to-all and CPU routing kernels"),
-    GatedPath("static_pipeline", "auto_on_off",
-              "the static pipeline's section-program runner (device-independent, executed on CPU over gloo)"),
-    GatedPath("auto_parallel_cpu", "auto_on_off", "the CPU answers of the legacy auto-parallel Engine"),
-    GatedPath("cuda_malloc_async", "opt_in", "FLAGS_use_cuda_malloc_async_allocator set at import"),
+    GatedPath("pipeline_send_wait", "unrun"),  # removes c_sync_comm_stream ops from static pipeline programs
+    GatedPath("static_fuse_allreduce", "unrun"),  # replaces RawProgramOptimizer: NCCL/BKCL all_reduce of fused buffers
+    GatedPath("grad_buckets", "unrun"),  # replaces Paddle's dygraph data-parallel gradient sync
+    GatedPath("pipeline_cudagraph", "unrun"),  # PipelineLayer(use_cudagraph=True) with the plugin's CUDA graphs
+    GatedPath("cpu_hybrid", "auto_on_off"),  # the CPU/gloo emulations of fleet's hybrid parallel
+    GatedPath("expert_parallel", "auto_on_off"),  # the gloo all-to-all and CPU routing kernels
+    GatedPath("static_pipeline", "auto_on_off"),  # the section-program runner, executed on CPU over gloo only
+    GatedPath("auto_parallel_cpu", "auto_on_off"),  # the CPU answers of the legacy auto-parallel Engine
+    GatedPath("cuda_malloc_async", "opt_in"),  # FLAGS_use_cuda_malloc_async_allocator set at import
 )}
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from paddle.base import framework
 
 from ...common.program_edit import OP_DEVICE_KEY, OP_ROLE_KEY, deferred_sync, op_role
-from .rings import RingTimeoutError, ring
+from .rings import DEADLINE_SETTING, RingTimeoutError, ring
 
 __all__ = ["lower_for_gloo", "send", "recv", "wait_sends", "drain_all", "set_timeout", "take_failure"]
 
@@ -94,7 +94,8 @@ class _Sender:
             if not self.cond.wait_for(lambda: self.pending == 0, timeout):
                 raise RingTimeoutError(
                     f"paddle_hybrid.static.static_pipeline: {ring(self.ring_id).describe()}: {self.pending} send(s) not "
-                    f"received by the peer within {timeout:.0f} s (is every stage running the same steps?)")
+                    f"received by the peer within {timeout:.0f} s, the deadline of {DEADLINE_SETTING} (is every stage "
+                    "running the same steps?)")
         self._raise()
 
     def stop(self, timeout: float) -> bool:
@@ -168,7 +169,7 @@ def recv(ring_id: int, peer: int, shape, dtype):
             info.group.recv(t, peer, True).wait()
         except Exception as exc:  # gloo's timeout names no ring
             raise RingTimeoutError(f"paddle_hybrid.static.static_pipeline: {info.describe()}: receiving from ring rank "
-                                   f"{peer} failed (PADDLE_HYBRID_TIMEOUT bounds the wait, or PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT when set): {exc}") from exc
+                                   f"{peer} failed ({DEADLINE_SETTING} bounds the wait): {exc}") from exc
         return t.numpy()
 
 

@@ -32,7 +32,10 @@ import itertools
 import threading
 import time
 
-__all__ = ["RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "make_init_process_group", "ring_size",
+# The setting a wait of the rings obeys, as messages name it (PluginConfig.seconds("static_pipeline_timeout")).
+DEADLINE_SETTING = "PADDLE_HYBRID_TIMEOUT (or PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT when set)"
+
+__all__ = ["DEADLINE_SETTING", "RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "make_init_process_group", "ring_size",
            "ring", "ring_store"]
 
 _KEY = "paddle_hybrid/static_ring/{call}/{ring}"
@@ -116,7 +119,7 @@ def _wait_for(store, key: str, timeout: float, info: RingInfo) -> str:
             raise RingTimeoutError(
                 f"paddle_hybrid.static.static_pipeline: {info.describe()}: ring rank 0 did not publish its store within "
                 f"{timeout:.0f} s. Every rank must build the same program with the same strategy; raise "
-                "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT if start-up is merely slow.")
+                f"{DEADLINE_SETTING} if start-up is merely slow.")
         time.sleep(0.01)
     return store.get(key).decode()
 
