@@ -22,7 +22,7 @@ import collections
 import json
 import time
 
-__all__ = ["ExchangeTimeout", "exchange", "job_store"]
+__all__ = ["ExchangeTimeout", "exchange", "job_store", "arrive", "wait_for", "describe_ranks"]
 
 _POLL = 0.005  # seconds between two reads of the store's counters
 _counts: collections.Counter = collections.Counter()
@@ -47,7 +47,7 @@ def job_store():
     return core.create_or_get_global_tcp_store()
 
 
-def _describe_ranks(ranks: list) -> str:
+def describe_ranks(ranks: list) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
@@ -73,27 +73,35 @@ def exchange(payload, *, topic: str, ranks: list, rank: int, timeout: float, set
     key = f"{scope}/{n}"
     text = json.dumps(payload, sort_keys=True, default=str)
     store.set(f"{key}/{rank}", text)
-    index = ranks.index(rank)
-    seen = {index // _BITS: store.add(f"{key}/present/{index // _BITS}", 1 << (index % _BITS))}
-    _wait_for_all(store, key, ranks, seen, timeout, topic, setting)
+    seen = arrive(store, key, ranks, rank)
+    waiting = wait_for(store, key, ranks, seen, timeout)
+    if waiting:
+        raise ExchangeTimeout(
+            f"paddle_hybrid: {topic}: waited {timeout:g} s for {describe_ranks(waiting)}, which did not "
+            f"arrive (crashed, hung, or running other code). The deadline is {setting}; raise it if "
+            "those ranks are only slow.", waiting)
     return {r: (json.loads(text) if r == rank else json.loads(store.get(f"{key}/{r}"))) for r in ranks}
+
+
+def arrive(store, key: str, ranks: list, rank: int) -> dict:
+    """Say that global rank ``rank`` (one of the sorted ``ranks``) has reached ``key``: one ``add``
+    of its bit to a presence counter.  Returns what :func:`wait_for` starts from."""
+    index = ranks.index(rank)
+    return {index // _BITS: store.add(f"{key}/present/{index // _BITS}", 1 << (index % _BITS))}
 
 
 def _missing(ranks: list, seen: dict) -> list:
     return [r for i, r in enumerate(ranks) if not (seen.get(i // _BITS, 0) >> (i % _BITS)) & 1]
 
 
-def _wait_for_all(store, key: str, ranks: list, seen: dict, timeout: float, topic: str, setting: str) -> None:
+def wait_for(store, key: str, ranks: list, seen: dict, timeout: float) -> list:
+    """Poll the presence counters of ``key`` for at most ``timeout`` seconds; the ranks (of the
+    sorted ``ranks``) that have not arrived by then, ``[]`` as soon as all have."""
     deadline = time.monotonic() + timeout
     while True:
         waiting = _missing(ranks, seen)
-        if not waiting:
-            return
-        if time.monotonic() >= deadline:
-            raise ExchangeTimeout(
-                f"paddle_hybrid: {topic}: waited {timeout:g} s for {_describe_ranks(waiting)}, which did not "
-                f"arrive (crashed, hung, or running other code). The deadline is {setting}; raise it if "
-                "those ranks are only slow.", waiting)
+        if not waiting or time.monotonic() >= deadline:
+            return waiting
         time.sleep(_POLL)
         for chunk in {ranks.index(r) // _BITS for r in waiting}:
             seen[chunk] = store.add(f"{key}/present/{chunk}", 0)

@@ -11,9 +11,13 @@ concern                    what it fixes (details in the module's docstring)
 =========================  ==================================================
 :mod:`.device_id`          ``ParallelEnv().device_id`` missing on CPU
 :mod:`.synchronize`        ``paddle.device.synchronize()`` refuses the CPU place
+:mod:`.tcp_store`          the job's TCP stores use Paddle's classic server: the
+                           libuv one aborts a rank at exit now and then
 :mod:`.groups`             gloo group start-up race; per-neighbour p2p groups
 :mod:`.gloo_deadline`      every gloo group waits ``PADDLE_HYBRID_TIMEOUT``, not
                            gloo's 30 s
+:mod:`.gloo_errors`        a gloo timeout names the rank waited for and the
+                           setting
 :mod:`.p2p`                pipeline p2p on the pair groups; batched p2p on gloo
 :mod:`.collectives`        reduce_scatter, which gloo lacks
 :mod:`.tensor_parallel`    mp ops without CPU kernels (identity, split, concat,
@@ -44,18 +48,20 @@ from ...registry.patching import Patcher, PatchSignatureError
 
 __all__ = ["COMPONENT", "apply", "is_active", "patched", "CONCERNS", "PatchSignatureError"]
 
-# Applied in this order (groups before p2p, which sends through them; p2p before
-# virtual_pipeline, which is only safe with p2p's ordering).
-CONCERNS = ["device_id", "synchronize", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute",
+# Applied in this order (tcp_store before groups, whose stores it chooses; groups before p2p,
+# which sends through them; p2p before virtual_pipeline, which is only safe with p2p's ordering).
+CONCERNS = ["device_id", "synchronize", "tcp_store", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute",
             "timers", "flex_checkpoint", "virtual_pipeline"]
 
 
 def apply(config, patcher: Patcher) -> None:
-    from . import gloo_deadline
+    from . import gloo_deadline, gloo_errors
 
     patcher.apply_modules(__name__, CONCERNS)
     try:
-        gloo_deadline.apply(patcher, config)  # the one concern that needs the config: its deadline
+        # The two concerns that need the config: the deadline, and its name in a timeout's message.
+        gloo_deadline.apply(patcher, config)
+        gloo_errors.apply(patcher, config)
     except BaseException:
         patcher.revert()
         raise

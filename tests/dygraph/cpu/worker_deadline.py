@@ -1,12 +1,13 @@
-"""Worker: rank 1 reaches a collective and a p2p exchange late; rank 0 waits.
+"""Worker: the last rank reaches a collective and a p2p exchange late; the others wait.
 
     launch(__file__, 2, args=["--late", SECONDS], env={"PADDLE_HYBRID_TIMEOUT": DEADLINE})
 
-Rank 1 sleeps ``--late`` seconds before an all_reduce on the global group (made by
+On 2 ranks, rank 1 sleeps ``--late`` seconds before an all_reduce on the global group (made by
 ``init_parallel_env``) and again before a send on a ``new_group`` (made with ``timeout=`` when
-``--group-timeout`` is given); rank 0 calls both at once.
-Reports, per operation, whether it finished, its error's first line, and the seconds it took,
-and the timeout each group's gloo context holds.
+``--group-timeout`` is given); rank 0 calls both at once.  On more ranks only the all_reduce is
+made (the last rank late).
+Reports, per operation, whether it finished, its error's first line, the seconds it took, the
+ranks a ``GlooTimeoutError`` names, and the timeout each group's gloo context holds.
 """
 import argparse
 import time
@@ -18,7 +19,8 @@ def _timed(fn):
         fn()
         return {"ok": True, "error": None, "seconds": time.perf_counter() - start}
     except Exception as exc:  # reported to the test
-        return {"ok": False, "error": str(exc).strip().splitlines()[0][:300], "seconds": time.perf_counter() - start}
+        return {"ok": False, "error": str(exc).strip().splitlines()[0][:1000], "seconds": time.perf_counter() - start,
+                "type": type(exc).__name__, "waited_for": getattr(exc, "waited_for", None)}
 
 
 def main():
@@ -35,7 +37,12 @@ def main():
     from paddle_hybrid.testing import save_result
 
     dist.init_parallel_env()
-    rank = dist.get_rank()
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    if last > 1:
+        if rank == last:
+            time.sleep(args.late)
+        save_result({"all_reduce": _timed(lambda: dist.all_reduce(paddle.ones([4])))})
+        return
     if args.group_timeout is None:
         pair = dist.new_group([0, 1])
     else:

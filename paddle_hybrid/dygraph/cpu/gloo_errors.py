@@ -1,0 +1,191 @@
+"""A gloo operation that runs out of time says which rank it waited for and which setting bounds it.
+
+Gloo's own message names neither (``[.../unbound_buffer.cc:80] TIMEOUT self_rank = none
+pair_rank = -1 peer_str = none``), so a user of an 8-rank job cannot tell which rank hung or what
+to raise.  Patch: the communication methods of ``core.ProcessGroupGloo`` (every collective and
+p2p Paddle's Python API and fleet call on a gloo group: ``all_reduce``, ``broadcast``, ``send``,
+``recv``, ...) re-raise gloo's timeout as :class:`GlooTimeoutError`, one line::
+
+    paddle_hybrid: all_reduce on the gloo group of ranks [0, 1] timed out after 2 s
+    (PADDLE_HYBRID_TIMEOUT) waiting for rank 1, which did not reach it (crashed, hung, or running
+    other code); raise PADDLE_HYBRID_TIMEOUT if that rank is only slow. gloo: TIMEOUT ...
+
+Which rank was waited for:
+
+* ``send``/``recv``: the peer;
+* a group of two: the other rank;
+* a larger group: every rank of the group that times out in the same operation says so in the
+  job's store (one ``add`` to a presence counter, :mod:`paddle_hybrid.common.exchange`) and waits
+  up to :func:`naming_window` seconds for the others; the ranks that did not say so are named.
+  A rank late by less than the window may be named with the hung one; the message says "no sign
+  within N s" then.  A rank that arrives after this one timed out times out itself no earlier than
+  one deadline later, which is why the window is at most half the deadline.  Operations are
+  matched by a per-group count of the calls made through these methods, the same on every rank of
+  a correct program.
+
+Nothing is added to an operation that completes: one dict increment per call.  Errors other than
+a timeout (a peer closing its connection: the launcher reports the rank that died) pass through
+unchanged.  Not covered: collectives Paddle calls from C++ without this Python method (the
+DataParallel reducer, static-graph and ``_C_ops`` communication ops) keep gloo's message.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import re
+
+from ...common import exchange, gloo_timeout
+
+__all__ = ["apply", "GlooTimeoutError", "OPERATIONS", "naming_window", "is_gloo_timeout"]
+
+# ProcessGroup methods that communicate; those this Paddle lacks are skipped.  Not the all-to-alls:
+# gloo has none, the expert_parallel component replaces them with send/recv, which are named here.
+OPERATIONS = (
+    "all_reduce", "all_reduce_on_calc_stream", "allreduce", "broadcast", "broadcast_on_calc_stream",
+    "all_gather", "all_gather_on_calc_stream", "all_gather_into_tensor", "all_gather_into_tensor_on_calc_stream",
+    "all_gather_partial", "all_gather_partial_on_calc_stream", "reduce", "reduce_on_calc_stream",
+    "reduce_scatter", "reduce_scatter_on_calc_stream", "reduce_scatter_tensor", "reduce_scatter_tensor_on_calc_stream",
+    "scatter", "scatter_on_calc_stream", "scatter_tensor", "scatter_tensor_on_calc_stream", "gather", "barrier",
+    "send", "send_on_calc_stream", "send_partial", "send_partial_on_calc_stream",
+    "recv", "recv_on_calc_stream", "recv_partial", "recv_partial_on_calc_stream",
+)
+_P2P = re.compile(r"^(send|recv)")
+_TIMEOUT = re.compile(r"\bTIMEOUT\b|timed out", re.IGNORECASE)
+_MAX_WINDOW = 5.0  # seconds a timed-out rank waits to learn which peers timed out with it
+
+# id(process group object) -> calls made through the patched methods: the operation's number.
+_calls: collections.Counter = collections.Counter()
+
+
+class GlooTimeoutError(RuntimeError):
+    """A gloo operation ran past its group's deadline. ``operation``, ``group_ranks`` (global),
+    ``waited_for`` (global ranks), ``seconds`` (the deadline), ``setting`` (what sets it)."""
+
+    def __init__(self, message, *, operation, group_ranks, waited_for, seconds, setting):
+        super().__init__(message)
+        self.operation, self.group_ranks, self.waited_for = operation, group_ranks, waited_for
+        self.seconds, self.setting = seconds, setting
+
+
+def is_gloo_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and _TIMEOUT.search(str(exc)) is not None
+
+
+def naming_window(deadline_seconds: float | None) -> float:
+    """How long a timed-out rank of a group larger than two waits for the peers that timed out with it."""
+    if deadline_seconds is None:
+        return _MAX_WINDOW
+    return min(_MAX_WINDOW, deadline_seconds / 2)
+
+
+def _group_of(process_group):
+    """Paddle's ``Group`` holding ``process_group`` (its id and global ranks), or None."""
+    from paddle.distributed.communication.group import _GroupManager
+
+    for group in list(_GroupManager.group_map_by_id.values()):
+        if getattr(group, "process_group", None) is process_group:
+            return group
+    return None
+
+
+def _deadline(process_group, config):
+    """(seconds, the setting's name) of this group's deadline as its gloo context holds it."""
+    try:
+        milliseconds = gloo_timeout.get_timeout_ms(process_group)
+    except Exception:  # noqa: BLE001  (naming is best effort; the timeout itself is raised anyway)
+        return None, "PADDLE_HYBRID_TIMEOUT"
+    seconds = milliseconds / 1000
+    if abs(seconds - config.timeout) < 1e-3:
+        return seconds, "PADDLE_HYBRID_TIMEOUT"
+    return seconds, "the timeout given to new_group"
+
+
+def _peer(operation: str, args, kwargs, ranks: list):
+    """Global rank of a send/recv's peer (its second argument, a rank in the group), or None."""
+    index = args[1] if len(args) > 1 else kwargs.get("src_rank" if operation.startswith("recv") else "dst_rank")
+    if isinstance(index, int) and 0 <= index < len(ranks):
+        return ranks[index]
+    return None
+
+
+def _who_did_not_arrive(group, number: int, rank: int, window: float):
+    """Ranks of ``group`` that did not time out in its operation ``number`` within ``window`` s;
+    None when the job's store cannot be asked."""
+    ranks = sorted(group.ranks)
+    key = f"paddle_hybrid/gloo_timeout/{'-'.join(map(str, ranks))}/{group.id}/{number}"
+    try:
+        store = exchange.job_store()
+        seen = exchange.arrive(store, key, ranks, rank)
+        return exchange.wait_for(store, key, ranks, seen, window)
+    except Exception:  # noqa: BLE001  (the store's host may be the rank that died)
+        return None
+
+
+def _waited_for(operation, args, kwargs, group, number, rank, seconds):
+    """(global ranks waited for, how sure): "exact", "window" (no sign within the window) or "unknown"."""
+    ranks = sorted(group.ranks)
+    others = [r for r in ranks if r != rank]
+    if _P2P.match(operation):
+        peer = _peer(operation, args, kwargs, list(group.ranks))  # local rank i is group.ranks[i]
+        if peer is not None:
+            return [peer], "exact"
+    if len(others) == 1:
+        return others, "exact"
+    missing = _who_did_not_arrive(group, number, rank, naming_window(seconds))
+    if missing is None:
+        return others, "unknown"
+    return (missing or others), ("window" if missing else "unknown")
+
+
+def _message(operation, group_ranks, waited, sureness, seconds, setting, window, raw):
+    after = f"after {seconds:g} s " if seconds is not None else ""
+    who = exchange.describe_ranks(waited)
+    if sureness == "exact":
+        waiting = f"waiting for {who}, which did not reach it (crashed, hung, or running other code)"
+    elif sureness == "window":
+        waiting = (f"waiting for {who}: no sign within {window:g} s that they reached it (crashed, hung, late or "
+                   "running other code)")
+    else:
+        waiting = f"waiting for one of {who} (which one could not be learned from the job's store)"
+    fix = "the timeout given to new_group" if setting != "PADDLE_HYBRID_TIMEOUT" else "PADDLE_HYBRID_TIMEOUT"
+    gloo = " ".join(str(raw).split())
+    return (f"paddle_hybrid: {operation} on the gloo group of ranks {group_ranks} timed out {after}({setting}) "
+            f"{waiting}; raise {fix} if that rank is only slow. gloo: {gloo}")
+
+
+def _make_named(operation: str, original, config):
+    @functools.wraps(original)
+    def named(self, *args, **kwargs):
+        number = _calls[id(self)]
+        _calls[id(self)] = number + 1
+        try:
+            return original(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if not is_gloo_timeout(exc):
+                raise
+            group = _group_of(self)
+            if group is None:
+                raise
+            import paddle.distributed as dist
+
+            rank = dist.get_rank()
+            seconds, setting = _deadline(self, config)
+            waited, sureness = _waited_for(operation, args, kwargs, group, number, rank, seconds)
+            message = _message(operation, sorted(group.ranks), waited, sureness, seconds, setting,
+                               naming_window(seconds), exc)
+            raise GlooTimeoutError(message, operation=operation, group_ranks=sorted(group.ranks), waited_for=waited,
+                                   seconds=seconds, setting=setting) from exc
+
+    return named
+
+
+def apply(patcher, config) -> None:
+    """Phase: wrap each communication method ``core.ProcessGroupGloo`` has (inherited from
+    ``ProcessGroup``; the wrapper is set on the gloo class only, so NCCL/BKCL groups are untouched)."""
+    from paddle.base import core
+
+    gloo_class = patcher.require(core, "ProcessGroupGloo", "paddle.base.core")
+    for operation in OPERATIONS:
+        original = getattr(gloo_class, operation, None)
+        if callable(original):
+            patcher.set(gloo_class, operation, _make_named(operation, original, config))

@@ -1,0 +1,43 @@
+"""Every TCP store of a CPU job uses Paddle's classic server, not the libuv one: a job's ranks
+must not abort on their way out.
+
+Seen: 2 of 15 four-rank PaddleFormers runs (TP2 x PP2, two jobs side by side on 2 cores) trained,
+saved, printed "Training completed" and then one rank died of SIGABRT (exit code -6; the
+launcher 250), with nothing in its log.  The core dump: the main thread in ``exit()``
+(``_dl_fini``), a store's server thread in ``LibUVClient::readCallback`` calling ``abort()`` from
+``libpaddle.so``, where a peer's connection had just closed.  A store's server lives until the
+process ends (Paddle's registries of groups and comm contexts hold it), so a peer that exits
+a moment later closes its connection while this process tears down its libraries, and the libuv
+server's handling of that close aborts.  Every rank hosting a server is exposed: rank 0 (the
+job's store) and every rank 0 of a gloo group (:mod:`.groups` gives each group a private store).
+
+Patch: ``FLAGS_tcp_store_using_libuv`` is set to False while the plugin is installed, before
+``init_parallel_env`` makes the job's store, so every store of the job (Paddle's and the
+plugin's) runs the classic server, whose read errors are caught inside its loop.  With it, 0
+aborts in 40 runs of the same job (``docs/cpu_hybrid.md``).  Uninstalling restores the flag.
+A user who sets ``FLAGS_tcp_store_using_libuv`` in the environment keeps their choice.  The
+libuv server exists for jobs of thousands of ranks; a CPU job over gloo is not one.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["apply", "FLAG"]
+
+FLAG = "FLAGS_tcp_store_using_libuv"
+
+
+def apply(patcher) -> None:
+    """Phases: leave a user's own setting alone; does this Paddle have the flag? set it, undo at revert."""
+    import paddle
+
+    if FLAG in os.environ:
+        return
+    try:
+        before = paddle.get_flags([FLAG])[FLAG]
+    except (ValueError, KeyError):  # a Paddle without the libuv store: nothing to choose
+        return
+    if not before:
+        return
+    paddle.set_flags({FLAG: False})
+    patcher.on_revert(lambda: paddle.set_flags({FLAG: before}), f"{FLAG}: back to {before}")
