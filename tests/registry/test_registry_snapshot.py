@@ -19,7 +19,9 @@ the ones the restructure made on purpose, each named here:
 6. the cpu component's new concern ``gloo_deadline`` (issue 25: gloo groups obey
    ``PADDLE_HYBRID_TIMEOUT``, or a timeout given to ``new_group``) wraps
    ``_new_process_group_impl`` in ``collective`` (again) and in ``parallel``, and ``new_group`` in
-   ``collective`` and ``paddle.distributed``.
+   ``collective`` and ``paddle.distributed``;
+7. the cpu component's new concern ``gloo_errors`` (issue 25: a gloo timeout names the rank waited
+   for and the setting) wraps the communication methods of ``core.ProcessGroupGloo``.
 """
 import json
 import os
@@ -28,6 +30,9 @@ import sys
 
 import paddle
 import pytest
+from paddle.base import core
+
+from paddle_hybrid.dygraph.cpu import gloo_errors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AUTO_ON_OFF = {"cpu", "expert_parallel", "static_pipeline", "auto_parallel_cpu"}
@@ -96,6 +101,8 @@ def _expected_patches(case, before_case, forced_on_now):
                      for owner in ("paddle.distributed.collective", "paddle.distributed.parallel")}
         expected |= {("cpu", owner, "new_group", "new_group", "new_group")
                      for owner in ("paddle.distributed.collective", "paddle.distributed")}
+        expected |= {("cpu", "ProcessGroupGloo", op, "object", f"PyCapsule.{op}")  # change 7
+                     for op in gloo_errors.OPERATIONS if hasattr(core.ProcessGroupGloo, op)}
     return expected
 
 
