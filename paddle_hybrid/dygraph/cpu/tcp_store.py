@@ -16,7 +16,8 @@ Patch: ``FLAGS_tcp_store_using_libuv`` is set to False while the plugin is insta
 plugin's) runs the classic server, whose read errors are caught inside its loop.  With it, 0
 aborts in 40 runs of the same job (``docs/cpu_hybrid.md``).  Uninstalling restores the flag.
 A user who sets ``FLAGS_tcp_store_using_libuv`` in the environment keeps their choice.  The
-libuv server exists for jobs of thousands of ranks; a CPU job over gloo is not one.
+libuv server exists for jobs of thousands of ranks; a CPU job over gloo is not one.  Paddle 3.2
+has no libuv server (nor the flag): nothing changes there.
 """
 from __future__ import annotations
 

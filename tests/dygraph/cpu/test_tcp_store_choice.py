@@ -1,9 +1,10 @@
 """In-process: the cpu component makes every TCP store of the job a classic one
 (``FLAGS_tcp_store_using_libuv`` False), restores Paddle's value when uninstalled, and leaves a
-value the user set in the environment alone.
+value the user set in the environment alone.  Paddle 3.2 has no libuv store (nor the flag): there
+the concern changes nothing.
 
-Why (``paddle_hybrid/dygraph/cpu/tcp_store.py``): the libuv server aborted a rank at exit in 2 of
-15 four-rank runs; with the classic server 0 of 40.  Before the concern the flag stayed True
+Why (``paddle_hybrid/dygraph/cpu/tcp_store.py``): the libuv server aborted a rank at exit in 3 of
+23 four-rank runs; with the classic server 0 of 26.  Before the concern the flag stayed True
 under the plugin (the first assertion failed)."""
 import paddle
 
@@ -14,13 +15,23 @@ from paddle_hybrid.registry.patching import Patcher
 
 
 def _flag():
-    return paddle.get_flags([tcp_store.FLAG])[tcp_store.FLAG]
+    """The flag's value; None on a Paddle without it."""
+    try:
+        return paddle.get_flags([tcp_store.FLAG])[tcp_store.FLAG]
+    except ValueError:
+        return None
 
 
 def test_the_plugin_chooses_the_classic_store_and_uninstall_gives_it_back(fresh_plugin, monkeypatch):
     monkeypatch.delenv(tcp_store.FLAG, raising=False)
     stock = _flag()
-    assert stock is True  # Paddle's default on 3.2 and 3.3: the libuv server
+    if stock is None:  # Paddle 3.2: no libuv store, nothing to choose
+        assert not paddle.__version__.startswith("3.3."), "Paddle 3.3 has the flag"
+        patcher = Patcher("test", "PADDLE_HYBRID_CPU")
+        tcp_store.apply(patcher)
+        assert not patcher.applied  # nothing changed, nothing to undo
+        return
+    assert stock is True  # Paddle 3.3's default: the libuv server
     paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
     assert _flag() is False
     paddle_hybrid.uninstall_component("cpu")
@@ -29,8 +40,11 @@ def test_the_plugin_chooses_the_classic_store_and_uninstall_gives_it_back(fresh_
 
 def test_a_users_own_setting_is_kept(monkeypatch):
     """As if the user had started with FLAGS_tcp_store_using_libuv=1: the concern leaves it True."""
-    monkeypatch.setenv(tcp_store.FLAG, "1")
     before = _flag()
+    if before is None:
+        assert not paddle.__version__.startswith("3.3."), "Paddle 3.3 has the flag"
+        return  # no flag: the first test shows the concern changes nothing
+    monkeypatch.setenv(tcp_store.FLAG, "1")
     paddle.set_flags({tcp_store.FLAG: True})
     patcher = Patcher("test", "PADDLE_HYBRID_CPU")
     try:
