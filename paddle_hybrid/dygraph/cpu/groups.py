@@ -14,6 +14,12 @@ pipeline neighbours.
    global store under a key unique to the group id.  The port stays reserved from the moment
    it is picked until the store listens on it (no window for another process to take it),
    and a group's store is released once the group is destroyed.
+   Before the rendezvous the group's ranks meet in the job's store (each adds its bit to a
+   presence counter, :mod:`paddle_hybrid.common.exchange`), for at most ``PluginConfig.timeout``
+   (``PADDLE_HYBRID_TIMEOUT``): a rank whose peers never create the group (one rank calls
+   ``new_group`` once more than the others) gets a ``TimeoutError`` naming them, where it used to
+   wait silently for ``FLAGS_stop_check_timeout`` (900 s).  The private store's own wait for its
+   workers is bounded by the same deadline.
 2. Gloo tags every operation with one counter per group, so p2p with two different peers
    in one pipeline group desynchronises the tags (PP >= 3 hangs).  Patch:
    ``HybridCommunicateGroup.__init__`` also creates one 2-rank group per pair of ring
@@ -26,7 +32,9 @@ import contextlib
 import functools
 import os
 import socket
+import sys
 
+from ...common import exchange
 from ...registry.device import is_gloo
 
 __all__ = ["apply", "pair_group", "pair_list", "group_stores", "reserved_port", "PAIR_GROUPS_ATTR"]
@@ -66,20 +74,58 @@ def _release_destroyed_group_stores() -> None:
         del group_stores[gid]
 
 
+def _deadline() -> float:
+    from . import COMPONENT  # the cpu component's config, set while it is installed
+
+    config = COMPONENT.config
+    return float(config.timeout) if config is not None else float(os.getenv("FLAGS_stop_check_timeout", "900"))
+
+
+def _members_being_created(world_size: int):
+    """Global ranks of the group Paddle's ``new_group`` is creating (its sorted local ``ranks``,
+    read from its frame: ``_new_process_group_impl`` is given only this rank's index), or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        ranks = frame.f_locals.get("ranks") if frame.f_code.co_name == "new_group" else None
+        if isinstance(ranks, (list, tuple)) and len(ranks) == world_size:
+            return sorted(ranks)
+        frame = frame.f_back
+    return None
+
+
+def _meet(store, rank, world_size, group_id, timeout: float) -> None:
+    """Every rank of the new group arrives within ``timeout`` seconds, or a TimeoutError names
+    those that did not."""
+    local = list(range(world_size))
+    key = f"paddle_hybrid/gloo_group/{group_id}"
+    missing = exchange.wait_for(store, key, local, exchange.arrive(store, key, local, rank), timeout)
+    if not missing:
+        return
+    members = _members_being_created(world_size)
+    who = (exchange.describe_ranks([members[i] for i in missing]) if members
+           else f"group rank{'s' if len(missing) > 1 else ''} {missing if len(missing) > 1 else missing[0]}")
+    raise TimeoutError(
+        f"paddle_hybrid: new_group (gloo group {group_id}{f' of ranks {members}' if members else ''}) waited "
+        f"{timeout:g} s for {who}, which did not create the group: every rank of a group must call new_group "
+        "for it, in the same order as the others (crashed, hung, or running other code?). The deadline is "
+        "PADDLE_HYBRID_TIMEOUT.")
+
+
 def _group_store(store, rank, world_size, group_id):
     from paddle.base import core
 
-    timeout = int(os.getenv("FLAGS_stop_check_timeout", "900"))
+    timeout = _deadline()
+    _meet(store, rank, world_size, group_id, timeout)
     key = _STORE_KEY.format(group_id)
     if rank == 0:
         host = os.getenv("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0] or "127.0.0.1"
         with reserved_port() as port:
             store.set(key, f"{host}:{port}")
-            private = core.TCPStore(host, port, True, world_size, timeout)  # returns once all joined
+            private = core.TCPStore(host, port, True, world_size, max(1, int(timeout)))  # returns once all joined
     else:
         store.wait(key)
         host, port = store.get(key).decode().rsplit(":", 1)
-        private = core.TCPStore(host, int(port), False, world_size, timeout)
+        private = core.TCPStore(host, int(port), False, world_size, max(1, int(timeout)))
     return private
 
 

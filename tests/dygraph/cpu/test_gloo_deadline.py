@@ -68,3 +68,17 @@ def test_a_timeout_given_to_new_group_is_that_groups_deadline():
     assert out["all_reduce"]["ok"], out
     assert not out["p2p"]["ok"] and 1.5 < out["p2p"]["seconds"] < 3.5, out
     assert "(the timeout given to new_group) waiting for rank 1" in out["p2p"]["error"], out
+
+
+def test_a_group_only_one_rank_creates_fails_at_the_deadline_naming_the_other():
+    """Rank 0 calls ``new_group([0, 1])`` once more than rank 1 (PADDLE_HYBRID_TIMEOUT=3): its
+    call ends after about 3 s with a TimeoutError naming rank 1 and the setting.  Seen failing
+    first: rank 0 waited in the group's store rendezvous until the launch's 120 s ran out (Paddle's
+    own bound is FLAGS_stop_check_timeout, 900 s)."""
+    results = launch(WORKER, 2, args=["--late", "8", "--extra-group"], timeout=120,
+                     env={"PADDLE_HYBRID_TIMEOUT": "3"})
+    out = results[0]["new_group"]
+    assert not out["ok"] and out["type"] == "TimeoutError", out
+    assert "new_group (gloo group" in out["error"] and "of ranks [0, 1]) waited 3 s for rank 1" in out["error"], out
+    assert "PADDLE_HYBRID_TIMEOUT" in out["error"], out
+    assert 2.5 < out["seconds"] < 6, out

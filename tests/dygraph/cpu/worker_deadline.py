@@ -5,7 +5,7 @@
 On 2 ranks, rank 1 sleeps ``--late`` seconds before an all_reduce on the global group (made by
 ``init_parallel_env``) and again before a send on a ``new_group`` (made with ``timeout=`` when
 ``--group-timeout`` is given); rank 0 calls both at once.  On more ranks only the all_reduce is
-made (the last rank late).
+made (the last rank late).  With ``--extra-group`` rank 0 creates a group rank 1 never creates.
 Reports, per operation, whether it finished, its error's first line, the seconds it took, the
 ranks a ``GlooTimeoutError`` names, and the timeout each group's gloo context holds.
 """
@@ -27,6 +27,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--late", type=float, required=True)
     parser.add_argument("--group-timeout", type=float, default=None, help="new_group(timeout=) in seconds")
+    parser.add_argument("--extra-group", action="store_true",
+                        help="rank 0 calls new_group([0, 1]) once more than rank 1, which waits --late s and exits")
     args = parser.parse_args()
 
     import paddle
@@ -38,6 +40,12 @@ def main():
 
     dist.init_parallel_env()
     rank, last = dist.get_rank(), dist.get_world_size() - 1
+    if args.extra_group:
+        out = {"new_group": _timed(lambda: dist.new_group([0, 1])) if rank == 0 else None}
+        if rank == 1:
+            time.sleep(args.late)
+        save_result(out)
+        return
     if last > 1:
         if rank == last:
             time.sleep(args.late)
