@@ -170,3 +170,15 @@ def test_dp2_x_tp2_x_pp2_sequence_parallel_batched_p2p():
     res = _train(8, dp=2, mp=2, pp=2, acc=4, sp=1, batch_p2p=1)
     assert sorted(r["coords"] for r in res) == [(d, m, p) for d in (0, 1) for m in (0, 1) for p in (0, 1)]
     _check(res)
+
+
+def test_c_split_refuses_a_width_the_degree_does_not_divide():
+    """Paddle's CSplitInferMeta divides the last dimension by nranks without a check (leftover
+    columns silently dropped); the CPU `_c_split` names the problem instead."""
+    import paddle
+
+    from paddle_hybrid.dygraph.cpu import tensor_parallel
+
+    with pytest.raises(ValueError, match="last dimension 5 is not divisible by the model-parallel degree 2"):
+        tensor_parallel._own_last_dim_slice(paddle.ones([2, 5]), 0, 2)
+    assert tensor_parallel._own_last_dim_slice(paddle.arange(6, dtype="float32").reshape([1, 6]), 1, 2).tolist() == [[3, 4, 5]]

@@ -128,6 +128,23 @@ def test_prune_refuses_an_index_beyond_the_experts():
         k.prune_gate_by_capacity(t([0, 4]), t([1, 1, 1, 1]), 2, 2)
 
 
+@pytest.mark.parametrize("counts, capacity, n_worker, match", [
+    ([1, 2, 3], [4, 4], 2, "not a multiple of n_worker=2"),   # Paddle's kernel: tail of Out uninitialised
+    ([1, 2, 3, 4], [4], 2, "capacity has 1 entries for 2 experts"),  # Paddle's: writes past capacity's end
+    ([1, 2], [4, 4], 0, "n_worker=0"),                        # Paddle's: a division by zero on the host
+])
+def test_limit_by_capacity_refuses_what_paddles_kernel_does_not_check(counts, capacity, n_worker, match):
+    with pytest.raises(ValueError, match=match):
+        k.limit_by_capacity(t(counts), t(capacity), n_worker)
+
+
+def test_random_routing_refuses_a_topk_idx_that_is_not_2d():
+    """Paddle's kernel reads dims[0] and dims[1] of topk_idx unchecked."""
+    with pytest.raises(ValueError, match=r"shape \[N, 2\]"):
+        k.random_routing(paddle.to_tensor(np.ones(3, "float32")), paddle.to_tensor(np.ones((3, 2), "float32")),
+                         t(np.zeros(3)))
+
+
 def test_random_routing():
     rng = np.random.default_rng(0)
     idx = rng.integers(0, 8, size=(50, 2))
