@@ -17,7 +17,9 @@ plugin's) runs the classic server, whose read errors are caught inside its loop.
 aborts in 40 runs of the same job (``docs/cpu_hybrid.md``).  Uninstalling restores the flag.
 A user who sets ``FLAGS_tcp_store_using_libuv`` in the environment keeps their choice.  The
 libuv server exists for jobs of thousands of ranks; a CPU job over gloo is not one.  Paddle 3.2
-has no libuv server (nor the flag): nothing changes there.
+has no libuv server (nor the flag): nothing changes there.  One visible difference: the classic
+server logs one INFO line when it stops ("receive shutdown event and so quit from MasterDaemon run
+loop"), e.g. when a destroyed group's private store is released; ``GLOG_minloglevel=1`` hides it.
 """
 from __future__ import annotations
 
