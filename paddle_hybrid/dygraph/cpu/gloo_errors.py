@@ -102,7 +102,7 @@ def _deadline(process_group, config):
 
 def _peer(operation: str, args, kwargs, ranks: list):
     """Global rank of a send/recv's peer (its second argument, a rank in the group), or None."""
-    index = args[1] if len(args) > 1 else kwargs.get("src_rank" if operation.startswith("recv") else "dst_rank")
+    index = args[1] if len(args) > 1 else kwargs.get("src" if operation.startswith("recv") else "dst")
     if isinstance(index, int) and 0 <= index < len(ranks):
         return ranks[index]
     return None
