@@ -3,8 +3,9 @@
 value the user set in the environment alone.  Paddle 3.2 has no libuv store (nor the flag): there
 the concern changes nothing.
 
-Why (``paddle_hybrid/dygraph/cpu/tcp_store.py``): the libuv server aborted a rank at exit in 3 of
-23 four-rank runs; with the classic server 0 of 26.  Before the concern the flag stayed True
+Why (``paddle_hybrid/dygraph/cpu/tcp_store.py``): the libuv server aborted a rank at exit now and
+then (once in CI, 2 of 74 four-rank runs here, each core dump in its read callback); the classic
+server has no such path (0 of 68).  Before the concern the flag stayed True
 under the plugin (the first assertion failed)."""
 import paddle
 
