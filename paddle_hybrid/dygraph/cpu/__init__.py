@@ -50,8 +50,8 @@ __all__ = ["COMPONENT", "apply", "is_active", "patched", "CONCERNS", "PatchSigna
 
 # Applied in this order (tcp_store before groups, whose stores it chooses; groups before p2p,
 # which sends through them; p2p before virtual_pipeline, which is only safe with p2p's ordering).
-CONCERNS = ["device_id", "synchronize", "tcp_store", "groups", "p2p", "collectives", "tensor_parallel", "sharding", "recompute",
-            "timers", "flex_checkpoint", "virtual_pipeline"]
+CONCERNS = ["device_id", "synchronize", "tcp_store", "groups", "p2p", "collectives", "tensor_parallel", "sharding",
+            "recompute", "timers", "flex_checkpoint", "virtual_pipeline"]
 
 
 def apply(config, patcher: Patcher) -> None:

@@ -123,8 +123,7 @@ def _who_did_not_arrive(group, number: int, rank: int, window: float):
 
 def _waited_for(operation, args, kwargs, group, number, rank, seconds):
     """(global ranks waited for, how sure): "exact", "window" (no sign within the window) or "unknown"."""
-    ranks = sorted(group.ranks)
-    others = [r for r in ranks if r != rank]
+    others = [r for r in sorted(group.ranks) if r != rank]
     if _P2P.match(operation):
         peer = _peer(operation, args, kwargs, list(group.ranks))  # local rank i is group.ranks[i]
         if peer is not None:
@@ -147,10 +146,9 @@ def _message(operation, group_ranks, waited, sureness, seconds, setting, window,
                    "running other code)")
     else:
         waiting = f"waiting for one of {who} (which one could not be learned from the job's store)"
-    fix = "the timeout given to new_group" if setting != "PADDLE_HYBRID_TIMEOUT" else "PADDLE_HYBRID_TIMEOUT"
     gloo = " ".join(str(raw).split())
     return (f"paddle_hybrid: {operation} on the gloo group of ranks {group_ranks} timed out {after}({setting}) "
-            f"{waiting}; raise {fix} if that rank is only slow. gloo: {gloo}")
+            f"{waiting}; raise {setting} if that rank is only slow. gloo: {gloo}")
 
 
 def _make_named(operation: str, original, config):
@@ -171,9 +169,9 @@ def _make_named(operation: str, original, config):
             rank = dist.get_rank()
             seconds, setting = _deadline(self, config)
             waited, sureness = _waited_for(operation, args, kwargs, group, number, rank, seconds)
-            message = _message(operation, sorted(group.ranks), waited, sureness, seconds, setting,
-                               naming_window(seconds), exc)
-            raise GlooTimeoutError(message, operation=operation, group_ranks=sorted(group.ranks), waited_for=waited,
+            group_ranks = sorted(group.ranks)
+            message = _message(operation, group_ranks, waited, sureness, seconds, setting, naming_window(seconds), exc)
+            raise GlooTimeoutError(message, operation=operation, group_ranks=group_ranks, waited_for=waited,
                                    seconds=seconds, setting=setting) from exc
 
     return named

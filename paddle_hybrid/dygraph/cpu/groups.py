@@ -102,10 +102,12 @@ def _meet(store, rank, world_size, group_id, timeout: float) -> None:
     if not missing:
         return
     members = _members_being_created(world_size)
-    who = (exchange.describe_ranks([members[i] for i in missing]) if members
-           else f"group rank{'s' if len(missing) > 1 else ''} {missing if len(missing) > 1 else missing[0]}")
+    if members:
+        group, who = f"gloo group {group_id} of ranks {members}", exchange.describe_ranks([members[i] for i in missing])
+    else:  # only the ranks' places in the group are known
+        group, who = f"gloo group {group_id}", "group " + exchange.describe_ranks(missing)
     raise TimeoutError(
-        f"paddle_hybrid: new_group (gloo group {group_id}{f' of ranks {members}' if members else ''}) waited "
+        f"paddle_hybrid: new_group ({group}) waited "
         f"{timeout:g} s for {who}, which did not create the group: every rank of a group must call new_group "
         "for it, in the same order as the others (crashed, hung, or running other code?). The deadline is "
         "PADDLE_HYBRID_TIMEOUT.")

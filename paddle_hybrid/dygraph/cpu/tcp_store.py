@@ -1,26 +1,25 @@
-"""Every TCP store of a CPU job uses Paddle's classic server, not the libuv one: a job's ranks
-must not abort on their way out.
+"""Every TCP store of a CPU job uses Paddle's classic server, not the libuv one: a job's ranks must
+not abort on their way out.
 
-Seen (once in CI, 2 of 32 runs of a shell loop): a four-rank PaddleFormers job (TP2 x PP2, two
-jobs side by side on 2 cores) trained, saved, printed "Training completed", and then one rank died
-of SIGABRT (exit code -6; the launcher 250), with nothing in its log.  Each core dump: the main
-thread in ``exit()`` (``_dl_fini``), a store's server thread in ``LibUVClient::readCallback`` calling ``abort()`` from
-``libpaddle.so``, where a peer's connection had just closed.  A store's server lives until the
-process ends (Paddle's registries of groups and comm contexts hold it), so a peer that exits
-a moment later closes its connection while this process tears down its libraries, and the libuv
-server's handling of that close aborts.  Every rank hosting a server is exposed: rank 0 (the
-job's store) and every rank 0 of a gloo group (:mod:`.groups` gives each group a private store).
+Seen now and then (``docs/benchmarks.md`` has the counts): a four-rank PaddleFormers job (TP2 x
+PP2) trained, saved, printed "Training completed", and then one rank died of SIGABRT (exit code -6;
+the launcher 250), with nothing in its log. Each core dump: the main thread in ``exit()``
+(``_dl_fini``), a store's server thread in ``LibUVClient::readCallback`` calling ``abort()`` from
+``libpaddle.so``, where a peer's connection had just closed. A store's server lives until the
+process ends (Paddle's registries of groups and comm contexts hold it), so a peer that exits a
+moment later closes its connection while this process tears down its libraries, and the libuv
+server's handling of that close aborts. Every rank hosting a server is exposed: rank 0 (the job's
+store) and every rank 0 of a gloo group (:mod:`.groups` gives each group a private store).
 
 Patch: ``FLAGS_tcp_store_using_libuv`` is set to False while the plugin is installed, before
-``init_parallel_env`` makes the job's store, so every store of the job (Paddle's and the
-plugin's) runs the classic server, whose read errors are caught inside its loop: the code path
-of the aborts is gone.  0 aborts in 68 runs of the same job with it (the libuv arm: 2 of 74; the
-rate is too low for counts alone to separate them, ``docs/benchmarks.md``).  Uninstalling
-restores the flag.  A user who sets ``FLAGS_tcp_store_using_libuv`` in the environment keeps their choice.  The
-libuv server exists for jobs of thousands of ranks; a CPU job over gloo is not one.  Paddle 3.2
-has no libuv server (nor the flag): nothing changes there.  One visible difference: the classic
-server logs one INFO line when it stops ("receive shutdown event and so quit from MasterDaemon run
-loop"), e.g. when a destroyed group's private store is released; ``GLOG_minloglevel=1`` hides it.
+``init_parallel_env`` makes the job's store, so every store of the job (Paddle's and the plugin's)
+runs the classic server, whose read errors are caught inside its loop: the code path of the aborts
+is gone. Uninstalling restores the flag. A user who sets ``FLAGS_tcp_store_using_libuv`` in the
+environment keeps their choice. The libuv server exists for jobs of thousands of ranks; a CPU job
+over gloo is not one. Paddle 3.2 has no libuv server (nor the flag): nothing changes there. One
+visible difference: the classic server logs one INFO line when it stops ("receive shutdown event
+and so quit from MasterDaemon run loop"), e.g. when a destroyed group's private store is released;
+``GLOG_minloglevel=1`` hides it.
 """
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ value the user set in the environment alone.  Paddle 3.2 has no libuv store (nor
 the concern changes nothing.
 
 Why (``paddle_hybrid/dygraph/cpu/tcp_store.py``): the libuv server aborted a rank at exit now and
-then (once in CI, 2 of 74 four-rank runs here, each core dump in its read callback); the classic
-server has no such path (0 of 68).  Before the concern the flag stayed True
+then, each core dump in its read callback; the classic server has no such path.  Before the concern the flag stayed True
 under the plugin (the first assertion failed)."""
 import paddle
 
