@@ -8,7 +8,10 @@ importable while building, so install with::
     pip install --no-build-isolation .        # or -e . for an editable install
 
 The shared library lands at ``paddle_hybrid/_custom_ops.so`` and is loaded once
-by ``paddle_hybrid.ops``.  Every build compiles from scratch (``force``): the
+by ``paddle_hybrid.ops``.  A second, small extension, ``paddle_hybrid/_prefix_store.so``
+(``custom_ops/prefix_store.cc``, loaded by ``paddle_hybrid.common.prefix_store``), is a
+Python module built against Paddle's pybind11 with libpaddle's pybind11 internals id, so the
+stores it makes pass to Paddle as Paddle's own ``Store``.  Every build compiles from scratch (``force``): the
 library belongs to the Paddle it was compiled against, and setuptools' "up to
 date" check only compares source and library times, so after a change of
 Paddle it would copy the old library back.
@@ -80,11 +83,45 @@ class BuildOps(BuildExtension):
 
         build_ext.run(self)
 
+    def _record_op_info(self):
+        # Paddle records op names for the stub skipped above, and allows one extension per
+        # build there; this build has two (the ops and the prefix store).
+        pass
+
     def finalize_options(self):
         super().finalize_options()
         # Rebuild whenever asked: a library left in build/ by another Paddle
         # is newer than the sources and would otherwise be reused.
         self.force = True
+
+
+def pybind_abi_defines():
+    """The macros that give a pybind11 module libpaddle's internals id (read from the id the
+    imported Paddle registered, e.g. ``__pybind11_internals_v4_gcc_libstdcpp_cxxabi1016__``):
+    with the same id the two share one type registry.  The compiler here may have another
+    ABI version number (the tag, not the layout of what crosses: ``std::string``,
+    ``std::vector``, ``std::shared_ptr``), so the tag is taken from Paddle, not from it."""
+    import builtins
+    import re
+
+    ids = [k for k in vars(builtins) if k.startswith("__pybind11_internals_v")]
+    match = re.fullmatch(r"__pybind11_internals_v\d+(_[a-z]+)(_lib[a-z]+)(_cxxabi\d+)__", ids[0]) if ids else None
+    if match is None:
+        raise SystemExit(
+            f"paddle_hybrid: cannot read the pybind11 internals id of this Paddle (found {ids}); "
+            "the prefix store extension needs it. Report this with your Paddle version."
+        )
+    compiler, stdlib, abi = match.groups()
+    return [f'-DPYBIND11_COMPILER_TYPE="{compiler}"', f'-DPYBIND11_STDLIB="{stdlib}"',
+            f'-DPYBIND11_BUILD_ABI="{abi}"']
+
+
+def prefix_store_extension():
+    return CppExtension(
+        name="paddle_hybrid._prefix_store",
+        sources=[os.path.join(OPS_DIR, "prefix_store.cc")],
+        extra_compile_args={"cxx": ["-O2", "-std=c++17"] + pybind_abi_defines()},
+    )
 
 
 def ops_extension():
@@ -114,7 +151,7 @@ setup(
     packages=find_packages(include=["paddle_hybrid", "paddle_hybrid.*"]),
     python_requires=">=3.9",
     install_requires=["numpy"],
-    ext_modules=[ops_extension()],
+    ext_modules=[ops_extension(), prefix_store_extension()],
     cmdclass={"build_ext": BuildOps.with_options(no_python_abi_suffix=True)},
     zip_safe=False,
 )

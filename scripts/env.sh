@@ -124,6 +124,8 @@ want_stamp="paddle $PADDLE_VERSION commit $PADDLE_COMMIT cuda $PADDLE_CUDA no_cu
 why=""
 if [ ! -f "$LIB" ]; then
   why="no library yet"
+elif [ ! -f "$ROOT/paddle_hybrid/_prefix_store.so" ]; then
+  why="no prefix store extension yet"
 elif [ ! -f "$STAMP" ]; then
   why="no record of the Paddle it was built against"
 elif [ "$(cat "$STAMP")" != "$want_stamp" ]; then

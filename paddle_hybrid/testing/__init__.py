@@ -6,8 +6,10 @@
   signatures to compare two programs by structure;
 * :mod:`.ideal_timeline`: ideal 1F1B timelines by simulation, to check the bubble measurement;
 * :mod:`.root_cause_job`: a 2-rank job whose rank dies (:mod:`.dying_rank_script`) under a
-  launcher, and what the launcher reported.
+  launcher, and what the launcher reported;
+* :mod:`.sockets`: the TCP sockets this process listens on.
 """
 from .launch import RESULT_DIR_ENV, LaunchError, launch, save_result
+from .sockets import listening_sockets
 
-__all__ = ["LaunchError", "launch", "save_result", "RESULT_DIR_ENV"]
+__all__ = ["LaunchError", "launch", "save_result", "RESULT_DIR_ENV", "listening_sockets"]

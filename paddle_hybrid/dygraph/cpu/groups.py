@@ -1,5 +1,5 @@
-"""Gloo groups: a private rendezvous store per group, and one 2-rank group per pair of
-pipeline neighbours.
+"""Gloo groups: a rendezvous of its own per group, and one 2-rank group per pair of pipeline
+neighbours.
 
 1. Creating gloo groups fails now and then at start-up (``Connection refused``, a pair
    ``TIMEOUT`` or a hang; ~40% of 3-rank launches of stock Paddle 3.3.1 here).
@@ -9,17 +9,16 @@ pipeline neighbours.
    gloo group of the job and a TCPStore cannot delete keys, so a rank that reaches the
    second rendezvous before a peer has overwritten its key reads the peer's address from
    an *earlier* group.  The window lies inside one C++ call, so barriers and retries
-   cannot close it.  Patch: ``collective._new_process_group_impl`` gives every new gloo
-   group its own TCPStore, hosted by the group's rank 0, whose address is published on the
-   global store under a key unique to the group id.  The port stays reserved from the moment
-   it is picked until the store listens on it (no window for another process to take it),
-   and a group's store is released once the group is destroyed.
+   cannot close it.  Patch: ``collective._new_process_group_impl`` hands every new gloo
+   group a view of the job's store whose keys carry a prefix unique to the group id
+   (:mod:`paddle_hybrid.common.prefix_store`): no group reads another's keys, and no store of
+   its own is opened (no listening socket).
    Before the rendezvous the group's ranks meet in the job's store (each adds its bit to a
    presence counter, :mod:`paddle_hybrid.common.exchange`), for at most ``PluginConfig.timeout``
    (``PADDLE_HYBRID_TIMEOUT``): a rank whose peers never create the group (one rank calls
    ``new_group`` once more than the others) gets a ``TimeoutError`` naming them, where it used to
-   wait silently for ``FLAGS_stop_check_timeout`` (900 s).  The private store's own wait for its
-   workers is bounded by the same deadline.
+   wait silently for ``FLAGS_stop_check_timeout`` (900 s).  The rendezvous on the view obeys the
+   same deadline.
 2. Gloo tags every operation with one counter per group, so p2p with two different peers
    in one pipeline group desynchronises the tags (PP >= 3 hangs).  Patch:
    ``HybridCommunicateGroup.__init__`` also creates one 2-rank group per pair of ring
@@ -28,51 +27,26 @@ pipeline neighbours.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import socket
 import sys
 
 from ...common import exchange
+from ...common.prefix_store import prefix_store
 from ...registry.device import is_gloo
 
-__all__ = ["apply", "pair_group", "pair_list", "group_stores", "reserved_port", "PAIR_GROUPS_ATTR"]
+__all__ = ["apply", "pair_group", "pair_list", "PAIR_GROUPS_ATTR"]
 
 # Attribute of HybridCommunicateGroup holding {peer global rank: 2-rank Group}.
 PAIR_GROUPS_ATTR = "_ph_p2p_pair_groups"
 
-_STORE_KEY = "paddle_hybrid/gloo_group_store/{}"
-# group id -> its private store (and the server rank 0 hosts): kept while the group lives,
-# released at the next group creation after ``destroy_process_group`` removed it.
-group_stores: dict = {}
+# Where a group's rendezvous keys live on the job's store.
+_RENDEZVOUS_PREFIX = "paddle_hybrid/gloo_group/{}/rendezvous/"
 
 
 # ---------------------------------------------------------------------------
-# 1. one rendezvous store per gloo group
+# 1. a rendezvous of its own per gloo group
 # ---------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def reserved_port():
-    """A free port, held until the ``with`` block ends.
-
-    Picking a port by binding to 0 and closing the socket leaves a window in which another
-    process can take the port before the store binds it.  The socket stays bound (with
-    SO_REUSEADDR, not listening) while the store binds the same port (Paddle's store listens
-    with SO_REUSEADDR, which Linux allows beside a bound, non-listening socket); the kernel
-    hands the port to no one else meanwhile."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("", 0))
-        yield s.getsockname()[1]
-
-
-def _release_destroyed_group_stores() -> None:
-    from paddle.distributed.communication.group import _GroupManager
-
-    for gid in [g for g in group_stores if g not in _GroupManager.group_map_by_id]:
-        del group_stores[gid]
-
 
 def _deadline() -> float:
     from . import COMPONENT  # the cpu component's config, set while it is installed
@@ -114,21 +88,11 @@ def _meet(store, rank, world_size, group_id, timeout: float) -> None:
 
 
 def _group_store(store, rank, world_size, group_id):
-    from paddle.base import core
-
+    """The view of the job's store the new group rendezvouses on, once all its ranks are there."""
     timeout = _deadline()
     _meet(store, rank, world_size, group_id, timeout)
-    key = _STORE_KEY.format(group_id)
-    if rank == 0:
-        host = os.getenv("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0] or "127.0.0.1"
-        with reserved_port() as port:
-            store.set(key, f"{host}:{port}")
-            private = core.TCPStore(host, port, True, world_size, max(1, int(timeout)))  # returns once all joined
-    else:
-        store.wait(key)
-        host, port = store.get(key).decode().rsplit(":", 1)
-        private = core.TCPStore(host, int(port), False, world_size, max(1, int(timeout)))
-    return private
+    return prefix_store(store, _RENDEZVOUS_PREFIX.format(group_id), timeout,
+                        f"rendezvous of gloo group {group_id} (deadline PADDLE_HYBRID_TIMEOUT)")
 
 
 def _make_new_pg_impl(orig_impl):
@@ -137,9 +101,7 @@ def _make_new_pg_impl(orig_impl):
                                 group_id=0, *args, **kwargs):
         # The group does not exist yet, so its backend name is what says whether it is gloo.
         if backend == "gloo" and group_id != 0 and world_size > 1 and store is not None:
-            _release_destroyed_group_stores()
             store = _group_store(store, rank, world_size, group_id)
-            group_stores[group_id] = store
         return orig_impl(backend, store, rank, world_size, group_name, pg_options, group_id,
                          *args, **kwargs)
 

@@ -161,7 +161,7 @@ def apply(config, patcher) -> None:
     timeout = config.seconds("static_pipeline_timeout")
     previous = lowering._timeout[0]
     lowering.set_timeout(timeout)
-    patcher.on_revert(rings.close_all, "static_pipeline rings and their stores")
+    patcher.on_revert(rings.close_all, "static_pipeline rings")
     patcher.on_revert(lowering.shutdown, "static_pipeline sender threads")
     patcher.on_revert(lambda: lowering.set_timeout(previous), "static_pipeline send timeout")
     patcher.set(executor.Executor, "run", _make_run(executor.Executor.run))

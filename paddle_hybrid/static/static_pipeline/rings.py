@@ -1,4 +1,4 @@
-"""Gloo rings for fleet's legacy static pipeline, one rendezvous store per ring.
+"""Gloo rings for fleet's legacy static pipeline, a rendezvous of its own per ring.
 
 Fleet's static meta optimizers ask ``CollectiveHelper._init_communicator`` for each ring (the
 global ring, and one 2-rank ring per ordered pair of pipeline neighbours).  On a build without
@@ -15,22 +15,22 @@ device context, and sets it only while that context has none
 whatever its ``ring_id``.  A middle stage talks to two peers, and 1F1B interleaves the two
 directions, so one context per process cannot carry a pipeline.
 
-Why a store per ring: several gloo contexts rendezvousing on the one global TCP store mixed up
-the rank order of later rings and sometimes timed out on one rank only (RESEARCH.md).  The ring's
-rank 0 hosts a private ``TCPStore`` and publishes its address on the global store under a key
-unique to this call (every rank calls ``_init_communicator`` the same number of times in the same
-order, members or not, so a per-process call counter names the call alike on every rank).
+Why a rendezvous of its own per ring: several gloo contexts rendezvousing on the one global TCP
+store mixed up the rank order of later rings and sometimes timed out on one rank only
+(RESEARCH.md): gloo writes the same keys for every context.  Each ring rendezvouses on a view of
+the job's store whose keys carry a prefix unique to this call
+(:mod:`paddle_hybrid.common.prefix_store`; every rank calls ``_init_communicator`` the same number
+of times in the same order, members or not, so a per-process call counter names the call alike
+on every rank).  No store of its own, so no listening socket of its own.
 
-Nothing waits forever: rank 0's address is polled with a deadline, and the private store and the
-gloo rendezvous use the same timeout; an expired wait raises :class:`RingTimeoutError` naming the
-ring and its ranks.
+Nothing waits forever: the rendezvous on the view ends at the static pipeline's deadline, and an
+expired wait raises :class:`RingTimeoutError` naming the ring and its ranks.
 """
 from __future__ import annotations
 
 import functools
 import itertools
 import threading
-import time
 
 # The setting a wait of the rings obeys, as messages name it (PluginConfig.seconds("static_pipeline_timeout")).
 DEADLINE_SETTING = "PADDLE_HYBRID_TIMEOUT (or PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT when set)"
@@ -38,7 +38,7 @@ DEADLINE_SETTING = "PADDLE_HYBRID_TIMEOUT (or PADDLE_HYBRID_STATIC_PIPELINE_TIME
 __all__ = ["DEADLINE_SETTING", "RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "make_init_process_group", "ring_size",
            "ring", "ring_store"]
 
-_KEY = "paddle_hybrid/static_ring/{call}/{ring}"
+_PREFIX = "paddle_hybrid/static_ring/{call}/{ring}/"
 _GROUP_ID_BASE = 1 << 20  # process-group ids of the rings, clear of paddle.distributed's own
 
 
@@ -66,7 +66,6 @@ rings: dict = {}
 """ring id -> :class:`RingInfo` of every ring this process created a gloo context for."""
 
 _calls = itertools.count()
-_stores: list = []  # (store, "host:port" when this process hosts it): kept while the rings live
 
 
 def ring_size(ring_id: int) -> int:
@@ -111,54 +110,21 @@ def _global_store():
     return core.create_or_get_global_tcp_store()
 
 
-def _wait_for(store, key: str, timeout: float, info: RingInfo) -> str:
-    """Rank 0's store address, polled (``add(key, 0)`` reads a counter without blocking)."""
-    deadline = time.monotonic() + timeout
-    while store.add(key + "/ready", 0) < 1:
-        if time.monotonic() > deadline:
-            raise RingTimeoutError(
-                f"paddle_hybrid.static.static_pipeline: {info.describe()}: ring rank 0 did not publish its store within "
-                f"{timeout:.0f} s. Every rank must build the same program with the same strategy; raise "
-                f"{DEADLINE_SETTING} if start-up is merely slow.")
-        time.sleep(0.01)
-    return store.get(key).decode()
-
-
 def ring_store(info: RingInfo, call, timeout: float):
-    """The ring's private TCPStore, hosted by ring rank 0 (phases: publish or look up, connect);
-    ``call`` names this creation alike on every rank.  Kept until :func:`close_all`."""
-    from paddle.base import core
+    """The view of the job's store ring ``info`` rendezvouses on; ``call`` names this creation
+    alike on every rank, ``timeout`` bounds its waits."""
+    from ...common.prefix_store import prefix_store
 
-    from ...dygraph.cpu.groups import reserved_port
-
-    store = _global_store()
-    key = _KEY.format(call=call, ring=info.ring_id)
-    if info.rank == 0:
-        host = info.endpoints[0].rsplit(":", 1)[0] or "127.0.0.1"
-        with reserved_port() as port:
-            store.set(key, f"{host}:{port}")
-            store.add(key + "/ready", 1)
-            private = core.TCPStore(host, port, True, info.nranks, int(timeout))  # returns once all joined
-        _stores.append((private, f"{host}:{port}"))
-    else:
-        host, port = _wait_for(store, key, timeout, info).rsplit(":", 1)
-        private = core.TCPStore(host, int(port), False, info.nranks, int(timeout))
-        _stores.append((private, None))
-    return private
-
-
-def hosted_store_addresses() -> list:
-    """``host:port`` of every ring store this process hosts (listens on)."""
-    return [address for _, address in _stores if address is not None]
+    return prefix_store(_global_store(), _PREFIX.format(call=call, ring=info.ring_id), timeout,
+                        f"static pipeline {info.describe()}, deadline {DEADLINE_SETTING}")
 
 
 def close_all() -> None:
-    """Forget every ring, its gloo group and its store (at uninstall): the last references go, so
-    the groups close their connections and the stores this process hosts stop listening."""
+    """Forget every ring and its gloo group (at uninstall): the last references this module holds
+    go.  Paddle's comm-context manager may keep its own (static programs' contexts)."""
     for info in rings.values():
         info.group = None
     rings.clear()
-    _stores.clear()
 
 
 def create_ring(info: RingInfo, call: int, timeout: float) -> None:

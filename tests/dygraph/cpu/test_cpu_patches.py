@@ -119,25 +119,3 @@ def test_every_patched_attribute_is_restored(fresh_plugin):
     assert all(value(o, n) is not s for (o, n), s in zip(targets, stock))
     paddle_hybrid.uninstall_component("cpu")
     assert all(value(o, n) is s for (o, n), s in zip(targets, stock))
-
-
-def test_group_store_port_is_held_until_the_store_listens():
-    """The port of a group's private store is not free between being picked and being bound:
-    another socket cannot take it, and the store itself can bind it (the old pick-then-close
-    left it free for anyone in between)."""
-    import errno
-    import socket
-
-    from paddle.base import core
-
-    with groups.reserved_port() as port:
-        intruder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            with pytest.raises(OSError) as refused:
-                intruder.bind(("", port))
-            assert refused.value.errno == errno.EADDRINUSE
-        finally:
-            intruder.close()
-        store = core.TCPStore("127.0.0.1", port, True, 1, 30)
-        store.set("k", "v")
-        assert store.get("k") == b"v"

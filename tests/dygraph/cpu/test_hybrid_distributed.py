@@ -152,18 +152,21 @@ def test_rank_killed_mid_backward_others_fail_fast():
 
 
 def test_many_gloo_groups_created_back_to_back_all_work():
-    """The ``groups`` concern: each new gloo group rendezvouses on its own store.  11 rounds of 9 groups on 3
-    ranks (99 creations in one launch) each reduce correctly on every member, and the stores
-    of destroyed groups are released (each round holds only its own groups' stores).
+    """The ``groups`` concern: each new gloo group rendezvouses under keys of its own on the job's store.
+    11 rounds of 9 groups on 3 ranks (99 creations in one launch) each reduce correctly on every
+    member, and no rank listens on any port but the job's store (rank 0 hosts it): the plugin
+    opens no socket of its own.  Seen failing on the private-store code this replaced: rank 0
+    listened on 7 more ports in the first round (one store per group it led: the world 3 times,
+    its 2 pairs twice) and more after.
 
     Catching a regression, measured with Paddle's own group creation (W_STOCK_GROUPS=1): one
     round failed in 7 of 20 launches (35%), six rounds in 10 of 10.  If rounds fail
     independently, eleven rounds miss a regression with probability 0.65**11 = 0.9%."""
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_gloo_groups.py")
     results = launch(worker, nprocs=3, timeout=300)
-    per_round = 3 + 2 * 2  # groups a rank is in per round: the world 3 times, its 2 pairs twice
     for r in results:
-        assert r["stores_per_round"] == [per_round] * r["rounds"], r["stores_per_round"]
+        job_store = [("0.0.0.0", r["job_store_port"])] if r["rank"] == 0 else []
+        assert r["listening_per_round"] == [job_store] * r["rounds"], (r["rank"], r["listening_per_round"])
         for ranks, total in r["sums"]:
             assert total == sum(x + 1 for x in ranks), (r["rank"], ranks, total)
     assert sum(len(r["sums"]) for r in results) == r["rounds"] * (3 * 3 + 2 * 3 * 2)

@@ -97,20 +97,16 @@ def test_a_missing_peer_fails_naming_the_ring():
 
 def test_uninstall_stops_the_sender_threads_and_forgets_the_rings():
     """After a static pipeline trained, ``paddle_hybrid.uninstall()`` leaves no thread of the plugin
-    and the plugin holds no ring.  Seen failing first: before, the senders
-    ("ph-pipeline-send-ring*") kept running.  What stays, and is asserted so that a change is
-    seen: the ring stores still listen (checked in /proc/self/net/tcp on the rank that hosts
-    one), because Paddle's comm-context manager keeps every gloo context and its store for the
-    life of the process and has no call to release one."""
+    and the plugin holds no ring; no rank listens on any port but the job's store (rank 0 hosts
+    it), before the uninstall or after: the rings rendezvous on the job's store.  Seen failing
+    first: the senders ("ph-pipeline-send-ring*") kept running; and with a store per ring (the
+    code the prefix view replaced) the rank hosting a ring's store listened on its port, also
+    after the uninstall (Paddle's comm-context manager keeps every gloo context and its store)."""
     results = launch(os.path.join(HERE, "worker_pipeline.py"), nprocs=2, args=["--steps", "1", "--uninstall-after"],
                      timeout=240)
-    hosted = 0
     for rank, out in enumerate(results):
         seen = out["leftovers"]
-        assert seen["before"]["threads"], (rank, seen)  # the senders ran
-        assert seen["before"]["listening"] == seen["before"]["ring_ports"], (rank, seen)
-        hosted += len(seen["before"]["ring_ports"])
-        assert seen["after"]["threads"] == [] and seen["after"]["rings"] == [] and seen["after"]["hosted"] == [], \
-            (rank, seen)
-        assert seen["after"]["listening"] == seen["before"]["listening"], (rank, seen)  # Paddle keeps them
-    assert hosted >= 1  # some rank hosted a ring store
+        assert seen["before"]["threads"] and seen["before"]["rings"], (rank, seen)  # the senders ran, on rings
+        assert seen["after"]["threads"] == [] and seen["after"]["rings"] == [], (rank, seen)
+        job_store = [("0.0.0.0", seen["job_store_port"])] if rank == 0 else []
+        assert seen["before"]["listening"] == seen["after"]["listening"] == job_store, (rank, seen)

@@ -18,7 +18,7 @@ import paddle
 import paddle_hybrid  # noqa: F401  (installs the plugin)
 from paddle_hybrid import ops
 from paddle_hybrid.static.send_wait import check_send_lifetimes
-from paddle_hybrid.testing import save_result
+from paddle_hybrid.testing import listening_sockets, save_result
 
 WIDTH, MICRO_BATCH, ACCUMULATE, LR = 8, 2, 4, 0.1
 
@@ -141,26 +141,6 @@ def main_():
                  "sends": op_types.count("send_v2"), "send_wait_env": os.environ.get("PADDLE_HYBRID_PIPELINE_SEND_WAIT")})
 
 
-def _listening_ports() -> set:
-    """TCP ports this process listens on (its socket inodes in /proc/self/fd, state LISTEN)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 def _uninstall_and_look() -> dict:
     import gc
     import threading
@@ -170,14 +150,11 @@ def _uninstall_and_look() -> dict:
     def plugin_threads():
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("ph-") and t.is_alive())
 
-    ring_ports = {int(address.rsplit(":", 1)[1]) for address in rings.hosted_store_addresses()}
-    before = {"threads": plugin_threads(), "ring_ports": sorted(ring_ports),
-              "listening": sorted(_listening_ports() & ring_ports)}
+    before = {"threads": plugin_threads(), "listening": listening_sockets(), "rings": sorted(rings.rings)}
     paddle_hybrid.uninstall()
     gc.collect()
-    after = {"threads": plugin_threads(), "listening": sorted(_listening_ports() & ring_ports),
-             "rings": sorted(rings.rings), "hosted": rings.hosted_store_addresses()}
-    return {"before": before, "after": after}
+    after = {"threads": plugin_threads(), "listening": listening_sockets(), "rings": sorted(rings.rings)}
+    return {"before": before, "after": after, "job_store_port": int(os.environ["PADDLE_MASTER"].rsplit(":", 1)[1])}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""A view of the job's store that puts every key under a prefix: one per gloo group or ring.
+
+Gloo's rendezvous writes the keys "0" .. "n-1" (each rank's address) for every group, and a
+TCP store cannot delete keys: groups rendezvousing on one store read each other's addresses.
+Paddle prefixes keys in C++ only, and its Python ``Store`` cannot be subclassed from Python, so
+the view is C++ (``custom_ops/prefix_store.cc``, built beside the ops as
+``paddle_hybrid/_prefix_store.so``) and reaches Paddle as Paddle's own ``Store`` type.
+
+What it replaces: a TCP store per group, hosted by the group's rank 0 on a port of its own,
+listening on every interface until the process ended.  With the view the plugin opens no
+listening socket; everything lives on the store Paddle's launcher set up for the job.
+
+Waits obey the deadline given here (the job's store would wait for its own timeout); an expired
+wait raises ``RuntimeError`` naming the key and ``what``.
+"""
+from __future__ import annotations
+
+__all__ = ["prefix_store"]
+
+_MISSING = (
+    "paddle_hybrid: the prefix store extension (_prefix_store.so) {why}. Build it with the ops from the repository "
+    "root: `pip install --no-build-isolation -e .` (or `bash scripts/test.sh`, which sets everything up)."
+)
+
+
+def _extension():
+    import importlib
+
+    try:
+        return importlib.import_module("paddle_hybrid._prefix_store")
+    except ImportError as exc:
+        why = "is missing" if "No module named" in str(exc) else f"cannot be loaded ({exc})"
+        raise ImportError(_MISSING.format(why=why)) from exc
+
+
+def prefix_store(store, prefix: str, timeout: float, what: str):
+    """A ``paddle.base.core.Store`` over ``store`` whose keys are ``prefix + key``.
+
+    ``timeout`` (seconds) bounds every wait on it; ``what`` says whose rendezvous it is and which
+    setting bounds it, for the message when a wait expires."""
+    return _extension().prefix_store(store, prefix, float(timeout), what)
