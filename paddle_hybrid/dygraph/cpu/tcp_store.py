@@ -8,18 +8,17 @@ the launcher 250), with nothing in its log. Each core dump: the main thread in `
 ``libpaddle.so``, where a peer's connection had just closed. A store's server lives until the
 process ends (Paddle's registries of groups and comm contexts hold it), so a peer that exits a
 moment later closes its connection while this process tears down its libraries, and the libuv
-server's handling of that close aborts. Every rank hosting a server is exposed: rank 0 (the job's
-store) and every rank 0 of a gloo group (:mod:`.groups` gives each group a private store).
+server's handling of that close aborts. Every rank hosting a server is exposed: rank 0, which hosts
+the job's store (the plugin adds no store of its own: :mod:`.groups` rendezvouses each group on a
+prefix view of the job's).
 
 Patch: ``FLAGS_tcp_store_using_libuv`` is set to False while the plugin is installed, before
-``init_parallel_env`` makes the job's store, so every store of the job (Paddle's and the plugin's)
-runs the classic server, whose read errors are caught inside its loop: the code path of the aborts
+``init_parallel_env`` makes the job's store, so every store of the job runs the classic server, whose read errors are caught inside its loop: the code path of the aborts
 is gone. Uninstalling restores the flag. A user who sets ``FLAGS_tcp_store_using_libuv`` in the
 environment keeps their choice. The libuv server exists for jobs of thousands of ranks; a CPU job
 over gloo is not one. Paddle 3.2 has no libuv server (nor the flag): nothing changes there. One
 visible difference: the classic server logs one INFO line when it stops ("receive shutdown event
-and so quit from MasterDaemon run loop"), e.g. when a destroyed group's private store is released;
-``GLOG_minloglevel=1`` hides it.
+and so quit from MasterDaemon run loop"), at the end of the job; ``GLOG_minloglevel=1`` hides it.
 """
 from __future__ import annotations
 
