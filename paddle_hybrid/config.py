@@ -80,6 +80,7 @@ ENVIRONMENT = {
     "force_unverified": "PADDLE_HYBRID_FORCE",
     "timeout": "PADDLE_HYBRID_TIMEOUT",
     "startup_agreement": "PADDLE_HYBRID_STARTUP_AGREEMENT",
+    "store_nodelay": "PADDLE_HYBRID_STORE_NODELAY",
 }
 
 # The fields set "auto", "on" or "off" (how each is decided: paddle_hybrid.registry.gate).
@@ -224,6 +225,12 @@ class PluginConfig:
     degrees and the pipeline schedule with the others' and a mismatch stops every rank naming the
     field and each rank's value (:mod:`paddle_hybrid.dygraph.agreement`)
     (``PADDLE_HYBRID_STARTUP_AGREEMENT``)."""
+
+    store_nodelay: bool = True
+    """On CPU, the job's TCP store sends each request and reply at once (``TCP_NODELAY``) instead
+    of waiting about 40 ms for the peer's acknowledgement of the previous piece: every store
+    request goes from about 44 ms to well under 1 ms (:mod:`paddle_hybrid.dygraph.cpu.tcp_store`)
+    (``PADDLE_HYBRID_STORE_NODELAY``)."""
 
     force_unverified: tuple = ()
     """Components to install even on a Paddle version they were not verified on: short names as

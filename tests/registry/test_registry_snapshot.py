@@ -21,7 +21,9 @@ the ones the restructure made on purpose, each named here:
    ``_new_process_group_impl`` in ``collective`` (again) and in ``parallel``, and ``new_group`` in
    ``collective`` and ``paddle.distributed``;
 7. the cpu component's new concern ``gloo_errors`` (issue 25: a gloo timeout names the rank waited
-   for and the setting) wraps the communication methods of ``core.ProcessGroupGloo``.
+   for and the setting) wraps the communication methods of ``core.ProcessGroupGloo``;
+8. the cpu component's concern ``tcp_store`` (the job's store without Nagle's delay) wraps
+   ``core.create_or_get_global_tcp_store``.
 """
 import json
 import os
@@ -103,6 +105,8 @@ def _expected_patches(case, before_case, forced_on_now):
                      for owner in ("paddle.distributed.collective", "paddle.distributed")}
         expected |= {("cpu", "ProcessGroupGloo", op, "object", f"PyCapsule.{op}")  # change 7
                      for op in gloo_errors.OPERATIONS if hasattr(core.ProcessGroupGloo, op)}
+        expected.add(("cpu", "paddle.base.libpaddle", "create_or_get_global_tcp_store",  # change 8
+                      "PyCapsule.create_or_get_global_tcp_store", "PyCapsule.create_or_get_global_tcp_store"))
     return expected
 
 

@@ -11,8 +11,9 @@ concern                    what it fixes (details in the module's docstring)
 =========================  ==================================================
 :mod:`.device_id`          ``ParallelEnv().device_id`` missing on CPU
 :mod:`.synchronize`        ``paddle.device.synchronize()`` refuses the CPU place
-:mod:`.tcp_store`          the job's TCP stores use Paddle's classic server: the
-                           libuv one aborts a rank at exit now and then
+:mod:`.tcp_store`          the job's TCP store uses Paddle's classic server (the
+                           libuv one aborts a rank at exit now and then) and
+                           sends without Nagle's 40 ms delay
 :mod:`.groups`             gloo group start-up race; per-neighbour p2p groups
 :mod:`.gloo_deadline`      every gloo group waits ``PADDLE_HYBRID_TIMEOUT``, not
                            gloo's 30 s
@@ -48,8 +49,8 @@ from ...registry.patching import Patcher, PatchSignatureError
 
 __all__ = ["COMPONENT", "apply", "is_active", "patched", "CONCERNS", "PatchSignatureError"]
 
-# Applied in this order (tcp_store before groups, whose stores it chooses; groups before p2p,
-# which sends through them; p2p before virtual_pipeline, which is only safe with p2p's ordering).
+# Applied in this order (groups before p2p, which sends through them; p2p before virtual_pipeline,
+# which is only safe with p2p's ordering).
 CONCERNS = ["device_id", "synchronize", "tcp_store", "groups", "p2p", "collectives", "tensor_parallel", "sharding",
             "recompute", "timers", "flex_checkpoint", "virtual_pipeline"]
 

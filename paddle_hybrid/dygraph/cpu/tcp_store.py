@@ -1,35 +1,66 @@
-"""Every TCP store of a CPU job uses Paddle's classic server, not the libuv one: a job's ranks must
-not abort on their way out.
+"""The job's TCP store on CPU: Paddle's classic server, and its connections without Nagle's delay.
 
-Seen now and then (``docs/benchmarks.md`` has the counts): a four-rank PaddleFormers job (TP2 x
-PP2) trained, saved, printed "Training completed", and then one rank died of SIGABRT (exit code -6;
-the launcher 250), with nothing in its log. Each core dump: the main thread in ``exit()``
-(``_dl_fini``), a store's server thread in ``LibUVClient::readCallback`` calling ``abort()`` from
-``libpaddle.so``, where a peer's connection had just closed. A store's server lives until the
-process ends (Paddle's registries of groups and comm contexts hold it), so a peer that exits a
-moment later closes its connection while this process tears down its libraries, and the libuv
-server's handling of that close aborts. Every rank hosting a server is exposed: rank 0, which hosts
-the job's store (the plugin adds no store of its own: :mod:`.groups` rendezvouses each group on a
-prefix view of the job's).
+1. **The classic server, not the libuv one**: a job's ranks must not abort on their way out.
+   Seen now and then (``docs/benchmarks.md`` has the counts): a four-rank PaddleFormers job
+   (TP2 x PP2) trained, saved, printed "Training completed", and then one rank died of SIGABRT
+   (exit code -6; the launcher 250), with nothing in its log. Each core dump: the main thread in
+   ``exit()`` (``_dl_fini``), the store's server thread in ``LibUVClient::readCallback`` calling
+   ``abort()`` from ``libpaddle.so``, where a peer's connection had just closed. The server lives
+   until the process ends (Paddle's registries of groups and comm contexts hold it), so a peer
+   that exits a moment later closes its connection while this process tears down its libraries,
+   and the libuv server's handling of that close aborts. Rank 0 hosts the job's store (the
+   plugin adds no store of its own: :mod:`.groups` rendezvouses each group on a prefix view of
+   the job's).
+   Patch: ``FLAGS_tcp_store_using_libuv`` is set to False while the plugin is installed, before
+   ``init_parallel_env`` makes the job's store, so it runs the classic server, whose read errors
+   are caught inside its loop: the code path of the aborts is gone. Uninstalling restores the
+   flag; a user who sets ``FLAGS_tcp_store_using_libuv`` in the environment keeps their choice.
+   The libuv server exists for jobs of thousands of ranks; a CPU job over gloo is not one.
+   Paddle 3.2 has no libuv server (nor the flag): nothing changes there. One visible difference:
+   the classic server logs one INFO line when it stops ("receive shutdown event and so quit from
+   MasterDaemon run loop"), at the end of the job; ``GLOG_minloglevel=1`` hides it.
 
-Patch: ``FLAGS_tcp_store_using_libuv`` is set to False while the plugin is installed, before
-``init_parallel_env`` makes the job's store, so every store of the job runs the classic server, whose read errors are caught inside its loop: the code path of the aborts
-is gone. Uninstalling restores the flag. A user who sets ``FLAGS_tcp_store_using_libuv`` in the
-environment keeps their choice. The libuv server exists for jobs of thousands of ranks; a CPU job
-over gloo is not one. Paddle 3.2 has no libuv server (nor the flag): nothing changes there. One
-visible difference: the classic server logs one INFO line when it stops ("receive shutdown event
-and so quit from MasterDaemon run loop"), at the end of the job; ``GLOG_minloglevel=1`` hides it.
+2. **No Nagle delay** (``PluginConfig.store_nodelay``, ``PADDLE_HYBRID_STORE_NODELAY``, on by
+   default). Paddle's store client writes a request in several small sends and sets no
+   ``TCP_NODELAY`` on its connection (the server sets it on the connections it accepts), so each
+   small send after the first waits for the server's delayed acknowledgement (about 40 ms on
+   Linux): every request that waits for a reply takes about 44 ms on one machine, a ``get``
+   88 ms. Everything the job does through the store pays it: each gloo group's rendezvous, the
+   start-up agreement, the layout checks.
+   Patch: ``core.create_or_get_global_tcp_store`` notes the process's sockets before it runs;
+   when the call made the store (new TCP sockets appeared: the client's connection and, on the
+   rank hosting the server, its listening socket and the connections it accepted), each gets
+   ``TCP_NODELAY`` (the server's already have it; setting it again changes nothing).
+   The option changes when bytes leave, never which bytes: nothing else about the store changes.
+   A store made while the plugin was installed keeps the option after ``uninstall()`` (the
+   wrapper itself is removed). Linux only (the sockets are found through ``/proc/self/fd``);
+   elsewhere the store is left as Paddle made it.
 """
 from __future__ import annotations
 
+import functools
 import os
+import socket
 
-__all__ = ["apply", "FLAG"]
+__all__ = ["apply", "FLAG", "set_nodelay_on_new_sockets", "socket_inodes"]
 
 FLAG = "FLAGS_tcp_store_using_libuv"
+_FD_DIR = "/proc/self/fd"
 
 
 def apply(patcher) -> None:
+    """Phases: choose the classic server; wrap the store's creation to turn Nagle off."""
+    _choose_classic_server(patcher)
+    from paddle.base import core
+
+    patcher.set(core, "create_or_get_global_tcp_store", _make_create_or_get(core.create_or_get_global_tcp_store))
+
+
+# ---------------------------------------------------------------------------
+# 1. the classic server
+# ---------------------------------------------------------------------------
+
+def _choose_classic_server(patcher) -> None:
     """Phases: leave a user's own setting alone; does this Paddle have the flag? set it, undo at revert."""
     import paddle
 
@@ -43,3 +74,61 @@ def apply(patcher) -> None:
         return
     paddle.set_flags({FLAG: False})
     patcher.on_revert(lambda: paddle.set_flags({FLAG: before}), f"{FLAG}: back to {before}")
+
+
+# ---------------------------------------------------------------------------
+# 2. no Nagle delay on the store's connections
+# ---------------------------------------------------------------------------
+
+def socket_inodes():
+    """{socket inode: fd} of this process, or None where ``/proc/self/fd`` does not exist."""
+    if not os.path.isdir(_FD_DIR):
+        return None
+    found = {}
+    for fd in os.listdir(_FD_DIR):
+        try:
+            target = os.readlink(f"{_FD_DIR}/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            found[target] = int(fd)
+    return found
+
+
+def set_nodelay_on_new_sockets(before: dict) -> int:
+    """Set ``TCP_NODELAY`` on every TCP socket of this process not in ``before`` (a
+    :func:`socket_inodes` result); returns how many were set."""
+    count = 0
+    for inode, fd in (socket_inodes() or {}).items():
+        if inode in before:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)  # wraps the fd without owning it: detached below
+        except OSError:
+            continue
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                count += 1
+        finally:
+            sock.detach()
+    return count
+
+
+def _nodelay_wanted() -> bool:
+    from . import COMPONENT  # the cpu component's config, set while it is installed
+
+    config = COMPONENT.config
+    return config is None or config.store_nodelay
+
+
+def _make_create_or_get(original):
+    @functools.wraps(original)
+    def create_or_get_global_tcp_store(*args, **kwargs):
+        before = socket_inodes() if _nodelay_wanted() else None
+        store = original(*args, **kwargs)
+        if before is not None:  # a call that only returned the existing store opened no socket
+            set_nodelay_on_new_sockets(before)
+        return store
+
+    return create_or_get_global_tcp_store

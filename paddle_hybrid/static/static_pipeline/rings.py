@@ -35,8 +35,8 @@ import threading
 # The setting a wait of the rings obeys, as messages name it (PluginConfig.seconds("static_pipeline_timeout")).
 DEADLINE_SETTING = "PADDLE_HYBRID_TIMEOUT (or PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT when set)"
 
-__all__ = ["DEADLINE_SETTING", "RingTimeoutError", "RingInfo", "rings", "make_init_communicator", "make_init_process_group", "ring_size",
-           "ring", "ring_store"]
+__all__ = ["DEADLINE_SETTING", "RingTimeoutError", "RingInfo", "rings", "make_init_communicator",
+           "make_init_process_group", "ring_size", "ring", "ring_store", "close_all"]
 
 _PREFIX = "paddle_hybrid/static_ring/{call}/{ring}/"
 _GROUP_ID_BASE = 1 << 20  # process-group ids of the rings, clear of paddle.distributed's own

@@ -113,17 +113,29 @@ def test_lowering_without_ring_names_the_fix(monkeypatch):
 
 # -- timeouts -----------------------------------------------------------------------------
 
-class _SilentStore:
-    def add(self, key, value):
-        return 0  # rank 0 never publishes
+def test_ring_rendezvous_times_out_naming_ring_and_ranks(monkeypatch):
+    """Ring rank 0 of 2 waits at the rendezvous for a rank 1 that never comes: the wait ends at the
+    ring's deadline, not the job store's, with the ring, its ranks and the setting named."""
+    import socket
 
+    from paddle.base import core
 
-def test_ring_wait_times_out_naming_ring_and_ranks():
-    info = rings.RingInfo(21, 1, ["127.0.0.1:6170", "127.0.0.1:6171"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job_store = core.TCPStore("127.0.0.1", port, True, 1, 30)
+    monkeypatch.setattr(rings, "_global_store", lambda: job_store)
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    info = rings.RingInfo(21, 0, ["127.0.0.1:6170", "127.0.0.1:6171"])
     start = time.monotonic()
-    with pytest.raises(rings.RingTimeoutError, match=r"ring 21 \(ranks at 127.0.0.1:6170, 127.0.0.1:6171"):
-        rings._wait_for(_SilentStore(), "k", 0.2, info)
-    assert time.monotonic() - start < 5
+    with pytest.raises(rings.RingTimeoutError) as caught:
+        rings.create_ring(info, "unit", 0.5)
+    assert time.monotonic() - start < 10
+    message = str(caught.value)
+    assert "ring 21 (ranks at 127.0.0.1:6170, 127.0.0.1:6171" in message, message
+    assert "was not set within 0.5 s" in message and rings.DEADLINE_SETTING in message, message
+    assert 21 not in rings.rings
 
 
 class _StuckGroup:
