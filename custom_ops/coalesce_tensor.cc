@@ -123,7 +123,7 @@ void CheckCuda(const char* err) {
 [[noreturn]] void NoCudaKernels() {
   PD_THROW("ph_coalesce_tensor: tensor on a GPU place but paddle_hybrid's ops were "
            "built without CUDA kernels; rebuild them with a CUDA build of Paddle "
-           "(pip install --no-build-isolation -e .).");
+           "(pip install --no-build-isolation --use-pep517 -e .).");
 }
 
 void CopyBytes(const phi::Place& place, void* dst, const void* src, size_t bytes,

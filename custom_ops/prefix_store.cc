@@ -100,7 +100,7 @@ PYBIND11_MODULE(_prefix_store, m) {
   if (py::detail::get_type_info(std::type_index(typeid(Store))) == nullptr) {
     PyErr_SetString(PyExc_ImportError,
                     "paddle_hybrid._prefix_store was built against another Paddle (its pybind11 registry is not "
-                    "libpaddle's, so it cannot hand Paddle a Store). Rebuild: pip install --no-build-isolation -e .");
+                    "libpaddle's, so it cannot hand Paddle a Store). Rebuild: pip install --no-build-isolation --use-pep517 -e .");
     throw py::error_already_set();
   }
   m.def(

@@ -63,6 +63,10 @@ UNCOALESCE_OP = "ph_uncoalesce_tensor"
 UNCOALESCE_IN, UNCOALESCE_FUSED, UNCOALESCE_OUT = "X@VECTOR", "Fused", "Out@VECTOR"
 
 _LIB_NAME = "_custom_ops.so"
+# How the compiled libraries are built in place, as messages say it.  ``--use-pep517``: with
+# setuptools 80 or newer and a pip older than 25, an editable install otherwise runs setuptools'
+# ``develop``, which calls pip again without ``--no-build-isolation`` (no Paddle to build against).
+BUILD_COMMAND = "pip install --no-build-isolation --use-pep517 -e ."
 _DTYPE_SIZES = {
     "float16": 2,
     "bfloat16": 2,
@@ -92,7 +96,7 @@ def _load() -> list:
     if not os.path.exists(path):
         raise ImportError(
             f"paddle_hybrid: the compiled custom ops ({_LIB_NAME}) are missing. Build them "
-            "from the repository root with `pip install --no-build-isolation -e .` "
+            f"from the repository root with `{BUILD_COMMAND}` "
             "(or run `bash scripts/test.sh`, which sets everything up)."
         )
     from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
@@ -102,7 +106,7 @@ def _load() -> list:
     if missing:
         raise ImportError(
             f"paddle_hybrid: {path} registered {sorted(names)} but not {sorted(missing)}; "
-            "rebuild with `pip install --no-build-isolation -e .`."
+            f"rebuild with `{BUILD_COMMAND}`."
         )
     return names
 

@@ -11,7 +11,7 @@
 #    with Paddle 3.2 also protobuf<7;
 #  * numpy, matplotlib (+ wheel/setuptools/ninja for the build); with PADDLE_HYBRID_EXTRAS
 #    also pytest/parameterized ("test") and PaddleFormers 1.2.0 ("paddleformers");
-#  * the custom ops built in place (pip install --no-build-isolation -e .),
+#  * the custom ops built in place (pip install --no-build-isolation --use-pep517 -e .),
 #    rebuilt when a source is newer than the library, when the library was
 #    built against another Paddle than this venv's (build/custom_ops.stamp
 #    records which), or when this venv does not have the tree installed;
@@ -145,7 +145,7 @@ if [ -n "$why" ]; then
   log "building the custom ops for Paddle $PADDLE_VERSION ($why; about 30-70 s)"
   start=$(date +%s)
   rm -f "$STAMP"
-  if ! "$PY" -m pip install -q --no-build-isolation --no-deps -e . > "$ROOT/build.log" 2>&1; then
+  if ! "$PY" -m pip install -q --no-build-isolation --use-pep517 --no-deps -e . > "$ROOT/build.log" 2>&1; then
     tail -40 "$ROOT/build.log" >&2
     log "building the custom ops failed; full log in build.log"
     exit 1

@@ -19,7 +19,7 @@ __all__ = ["prefix_store"]
 
 _MISSING = (
     "paddle_hybrid: the prefix store extension (_prefix_store.so) {why}. Build it with the ops from the repository "
-    "root: `pip install --no-build-isolation -e .` (or `bash scripts/test.sh`, which sets everything up)."
+    "root: `{build}` (or `bash scripts/test.sh`, which sets everything up)."
 )
 
 
@@ -30,7 +30,9 @@ def _extension():
         return importlib.import_module("paddle_hybrid._prefix_store")
     except ImportError as exc:
         why = "is missing" if "No module named" in str(exc) else f"cannot be loaded ({exc})"
-        raise ImportError(_MISSING.format(why=why)) from exc
+        from ..ops import BUILD_COMMAND
+
+        raise ImportError(_MISSING.format(why=why, build=BUILD_COMMAND)) from exc
 
 
 def prefix_store(store, prefix: str, timeout: float, what: str):

@@ -25,7 +25,7 @@ def test_missing_library_gives_build_instructions(tmp_path, repo_root):
                           timeout=120)
     assert proc.returncode != 0
     assert "ImportError" in proc.stderr
-    assert "pip install --no-build-isolation -e ." in proc.stderr
+    assert ops.BUILD_COMMAND in proc.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA kernels cannot be compiled here")
