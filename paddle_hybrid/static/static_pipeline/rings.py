@@ -116,12 +116,14 @@ def ring_store(info: RingInfo, call, timeout: float):
     from ...common.prefix_store import prefix_store
 
     return prefix_store(_global_store(), _PREFIX.format(call=call, ring=info.ring_id), timeout,
-                        f"static pipeline {info.describe()}, deadline {DEADLINE_SETTING}")
+                        f"the rendezvous of ring {info.ring_id} (every rank must build the same program with the "
+                        f"same strategy; the deadline is {DEADLINE_SETTING})")
 
 
 def close_all() -> None:
-    """Forget every ring and its gloo group (at uninstall): the last references this module holds
-    go.  Paddle's comm-context manager may keep its own (static programs' contexts)."""
+    """Forget every ring and its gloo group (at uninstall).  The groups' connections stay until the
+    process ends: Paddle keeps each group in ``ProcessGroupIdMap`` and the comm-context manager,
+    which release no single group (as for Paddle's own groups)."""
     for info in rings.values():
         info.group = None
     rings.clear()
