@@ -1,7 +1,8 @@
 """In-process: the cpu component makes every TCP store of the job a classic one
 (``FLAGS_tcp_store_using_libuv`` False), restores Paddle's value when uninstalled, and leaves a
 value the user set in the environment alone.  Paddle 3.2 has no libuv store (nor the flag): there
-the concern changes nothing.
+the concern's only change is its other part, the wrapper that turns Nagle off on the store
+(tested in ``test_store_nodelay.py``).
 
 Why (``paddle_hybrid/dygraph/cpu/tcp_store.py``): the libuv server aborted a rank at exit now and
 then, each core dump in its read callback; the classic server has no such path.  Before the concern the flag stayed True
@@ -27,9 +28,14 @@ def test_the_plugin_chooses_the_classic_store_and_uninstall_gives_it_back(fresh_
     stock = _flag()
     if stock is None:  # Paddle 3.2: no libuv store, nothing to choose
         assert not paddle.__version__.startswith("3.3."), "Paddle 3.3 has the flag"
+        from paddle.base import core
+
         patcher = Patcher("test", "PADDLE_HYBRID_CPU")
-        tcp_store.apply(patcher)
-        assert not patcher.applied  # nothing changed, nothing to undo
+        try:
+            tcp_store.apply(patcher)
+            assert patcher.patched() == [(core, "create_or_get_global_tcp_store")]  # no flag set
+        finally:
+            patcher.revert()
         return
     assert stock is True  # Paddle 3.3's default: the libuv server
     paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
