@@ -5,21 +5,11 @@ from __future__ import annotations
 import ipaddress
 import os
 
+from ..common.sockets import socket_fds
+
 __all__ = ["listening_sockets"]
 
 _LISTEN = "0A"  # the state column of /proc/net/tcp
-
-
-def _socket_inodes() -> set:
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    return inodes
 
 
 def _address(hex_address: str, v6: bool) -> str:
@@ -32,7 +22,7 @@ def _address(hex_address: str, v6: bool) -> str:
 def listening_sockets() -> list:
     """``(address, port)`` of every TCP socket of this process in state LISTEN, sorted;
     ``address`` is ``"0.0.0.0"`` or ``"::"`` for a socket bound to every interface."""
-    inodes = _socket_inodes()
+    inodes = set(socket_fds() or {})
     found = []
     for table, v6 in (("/proc/self/net/tcp", False), ("/proc/self/net/tcp6", True)):
         if not os.path.exists(table):

@@ -27,8 +27,9 @@
    Linux): every request that waits for a reply takes about 44 ms on one machine, a ``get``
    88 ms. Everything the job does through the store pays it: each gloo group's rendezvous, the
    start-up agreement, the layout checks.
-   Patch: ``core.create_or_get_global_tcp_store`` notes the process's sockets before it runs;
-   when the call made the store (new TCP sockets appeared: the client's connection and, on the
+   Patch: the first call of ``core.create_or_get_global_tcp_store`` after install (the one that
+   makes the store, unless it existed already; later calls only return it) notes the process's
+   sockets before it runs; when the call made the store (new TCP sockets appeared: the client's connection and, on the
    rank hosting the server, its listening socket and the connections it accepted), each gets
    ``TCP_NODELAY`` (the server's already have it; setting it again changes nothing).
    The option changes when bytes leave, never which bytes: nothing else about the store changes.
@@ -42,10 +43,11 @@ import functools
 import os
 import socket
 
-__all__ = ["apply", "FLAG", "set_nodelay_on_new_sockets", "socket_inodes"]
+from ...common.sockets import socket_fds
+
+__all__ = ["apply", "FLAG"]
 
 FLAG = "FLAGS_tcp_store_using_libuv"
-_FD_DIR = "/proc/self/fd"
 
 
 def apply(patcher) -> None:
@@ -80,26 +82,10 @@ def _choose_classic_server(patcher) -> None:
 # 2. no Nagle delay on the store's connections
 # ---------------------------------------------------------------------------
 
-def socket_inodes():
-    """{socket inode: fd} of this process, or None where ``/proc/self/fd`` does not exist."""
-    if not os.path.isdir(_FD_DIR):
-        return None
-    found = {}
-    for fd in os.listdir(_FD_DIR):
-        try:
-            target = os.readlink(f"{_FD_DIR}/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            found[target] = int(fd)
-    return found
-
-
-def set_nodelay_on_new_sockets(before: dict) -> int:
+def _set_nodelay_on_new_sockets(before: dict) -> None:
     """Set ``TCP_NODELAY`` on every TCP socket of this process not in ``before`` (a
-    :func:`socket_inodes` result); returns how many were set."""
-    count = 0
-    for inode, fd in (socket_inodes() or {}).items():
+    :func:`~paddle_hybrid.common.sockets.socket_fds` result)."""
+    for inode, fd in (socket_fds() or {}).items():
         if inode in before:
             continue
         try:
@@ -109,10 +95,8 @@ def set_nodelay_on_new_sockets(before: dict) -> int:
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                count += 1
         finally:
             sock.detach()
-    return count
 
 
 def _nodelay_wanted() -> bool:
@@ -123,12 +107,17 @@ def _nodelay_wanted() -> bool:
 
 
 def _make_create_or_get(original):
+    first_call = [True]  # only the first call can make the store: later ones skip the /proc walks
+
     @functools.wraps(original)
     def create_or_get_global_tcp_store(*args, **kwargs):
-        before = socket_inodes() if _nodelay_wanted() else None
+        if not first_call[0]:
+            return original(*args, **kwargs)
+        first_call[0] = False
+        before = socket_fds() if _nodelay_wanted() else None
         store = original(*args, **kwargs)
-        if before is not None:  # a call that only returned the existing store opened no socket
-            set_nodelay_on_new_sockets(before)
+        if before is not None:  # a store that existed already: no new socket, nothing set
+            _set_nodelay_on_new_sockets(before)
         return store
 
     return create_or_get_global_tcp_store

@@ -9,14 +9,14 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hybrid  # noqa: F401  (installs the plugin)
-from paddle_hybrid.dygraph.cpu.tcp_store import socket_inodes
+from paddle_hybrid.common.sockets import socket_fds
 from paddle_hybrid.testing import save_result
 
 
 def store_sockets(port: int) -> list:
     """(role, TCP_NODELAY) of each TCP socket whose local or far port is the store's."""
     found = []
-    for fd in socket_inodes().values():
+    for fd in socket_fds().values():
         sock = socket.socket(fileno=fd)
         try:
             if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM:
