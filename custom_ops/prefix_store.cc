@@ -36,13 +36,19 @@ namespace paddle_hybrid {
 
 class PrefixStore : public Store {
  public:
-  // ``what`` names the owner and the setting of the deadline, for the timeout message.
-  PrefixStore(std::shared_ptr<Store> inner, std::string prefix, double timeout_s, std::string what)
+  // ``what`` names the owner and the setting of the deadline, for the timeout message; ``places``
+  // names each rank of the group by its place in it (gloo's rendezvous key of a rank is its place).
+  PrefixStore(std::shared_ptr<Store> inner,
+              std::string prefix,
+              double timeout_s,
+              std::string what,
+              std::vector<std::string> places)
       : Store(static_cast<int>(std::ceil(timeout_s))),
         inner_(std::move(inner)),
         prefix_(std::move(prefix)),
         timeout_s_(timeout_s),
-        what_(std::move(what)) {}
+        what_(std::move(what)),
+        places_(std::move(places)) {}
 
   // Each key written through the view raises a counter beside it, and ``check`` reads that counter:
   // a counter read (``add(key, 0)``) answers at once on every Paddle, where Paddle 3.2's TCP store
@@ -76,7 +82,7 @@ class PrefixStore : public Store {
       if (std::chrono::steady_clock::now() >= deadline) {
         std::ostringstream msg;
         msg << "paddle_hybrid: " << what_ << ": key '" << prefix_ << key << "' was not set within " << timeout_s_
-            << " s (a peer crashed, hung, or did not reach the rendezvous)";
+            << " s: " << writer(key) << " did not reach the rendezvous (crashed, hung, or running other code)";
         throw std::runtime_error(msg.str());
       }
       std::this_thread::sleep_for(pause);
@@ -87,10 +93,19 @@ class PrefixStore : public Store {
  private:
   std::string written(const std::string& key) const { return prefix_ + key + "/.written"; }
 
+  // Who writes ``key``: gloo's rendezvous key of a rank ends in its place in the group.
+  std::string writer(const std::string& key) const {
+    const std::string last = key.substr(key.find_last_of('/') + 1);
+    const bool number = !last.empty() && last.size() < 9 && last.find_first_not_of("0123456789") == std::string::npos;
+    if (number && static_cast<size_t>(std::stoi(last)) < places_.size()) return places_[std::stoi(last)];
+    return "a peer";
+  }
+
   std::shared_ptr<Store> inner_;
   std::string prefix_;
   double timeout_s_;
   std::string what_;
+  std::vector<std::string> places_;
 };
 
 }  // namespace paddle_hybrid
@@ -105,13 +120,18 @@ PYBIND11_MODULE(_prefix_store, m) {
   }
   m.def(
       "prefix_store",
-      [](std::shared_ptr<Store> inner, const std::string& prefix, double timeout_s, const std::string& what) {
+      [](std::shared_ptr<Store> inner,
+         const std::string& prefix,
+         double timeout_s,
+         const std::string& what,
+         const std::vector<std::string>& places) {
         if (!inner) throw std::invalid_argument("paddle_hybrid: prefix_store needs a store, got None");
         if (!(timeout_s > 0)) throw std::invalid_argument("paddle_hybrid: prefix_store needs a timeout > 0 s");
         return std::shared_ptr<Store>(
-            std::make_shared<paddle_hybrid::PrefixStore>(std::move(inner), prefix, timeout_s, what));
+            std::make_shared<paddle_hybrid::PrefixStore>(std::move(inner), prefix, timeout_s, what, places));
       },
-      py::arg("inner"), py::arg("prefix"), py::arg("timeout_s"), py::arg("what"),
+      py::arg("inner"), py::arg("prefix"), py::arg("timeout_s"), py::arg("what"), py::arg("places"),
       "A view of ``inner`` that puts every key under ``prefix``; waits end after ``timeout_s`` seconds with an error "
-      "naming ``what``.");
+      "naming ``what`` and, from ``places`` (a name per place in the group), the rank that did not write its "
+      "key.");
 }

@@ -11,7 +11,7 @@ listening on every interface until the process ended.  With the view the plugin 
 listening socket; everything lives on the store Paddle's launcher set up for the job.
 
 Waits obey the deadline given here (the job's store would wait for its own timeout); an expired
-wait raises ``RuntimeError`` naming the key and ``what``.
+wait raises ``RuntimeError`` naming the key, ``what`` and the rank that did not write the key.
 """
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ def _extension():
         raise ImportError(_MISSING.format(why=why, build=BUILD_COMMAND)) from exc
 
 
-def prefix_store(store, prefix: str, timeout: float, what: str):
+def prefix_store(store, prefix: str, timeout: float, what: str, places=()):
     """A ``paddle.base.core.Store`` over ``store`` whose keys are ``prefix + key``.
 
     ``timeout`` (seconds) bounds every wait on it; ``what`` says whose rendezvous it is and which
-    setting bounds it, for the message when a wait expires."""
-    return _extension().prefix_store(store, prefix, float(timeout), what)
+    setting bounds it, for the message when a wait expires; ``places[i]`` names the rank at place
+    ``i`` of the group (``"rank 3"``): gloo's rendezvous key of a rank ends in its place, so the
+    message names the rank whose key never came ("a peer" without ``places``)."""
+    return _extension().prefix_store(store, prefix, float(timeout), what, [str(p) for p in places])

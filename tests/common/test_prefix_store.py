@@ -34,8 +34,9 @@ def test_keys_live_under_the_prefix(job_store):
     assert view.get("0") == b"address"  # groups never read each other's keys
 
 
-def test_a_wait_ends_at_its_own_deadline_naming_the_key_and_owner(job_store):
-    view = prefix_store(job_store, "group/9/", 0.3, "rendezvous of gloo group 9 (deadline PADDLE_HYBRID_TIMEOUT)")
+def test_a_wait_ends_at_its_own_deadline_naming_the_key_owner_and_rank(job_store):
+    view = prefix_store(job_store, "group/9/", 0.3, "rendezvous of gloo group 9 (deadline PADDLE_HYBRID_TIMEOUT)",
+                        ["rank 4", "rank 7"])
     start = time.monotonic()
     with pytest.raises(RuntimeError) as caught:
         view.get("1")
@@ -44,6 +45,9 @@ def test_a_wait_ends_at_its_own_deadline_naming_the_key_and_owner(job_store):
     message = str(caught.value)
     assert "key 'group/9/1' was not set within 0.3 s" in message, message
     assert "rendezvous of gloo group 9 (deadline PADDLE_HYBRID_TIMEOUT)" in message, message
+    assert "rank 7 did not reach the rendezvous" in message, message  # key "1": place 1 of the group
+    with pytest.raises(RuntimeError, match="a peer did not reach"):
+        view.get("not-a-place")  # a key that is no rank's
 
 
 def test_paddle_creates_a_gloo_group_on_it(job_store, monkeypatch):

@@ -67,15 +67,14 @@ def _members_being_created(world_size: int):
     return None
 
 
-def _meet(store, rank, world_size, group_id, timeout: float) -> None:
+def _meet(store, rank, world_size, group_id, timeout: float, members) -> None:
     """Every rank of the new group arrives within ``timeout`` seconds, or a TimeoutError names
-    those that did not."""
+    those that did not (by global rank from ``members``, else by place in the group)."""
     local = list(range(world_size))
     key = f"paddle_hybrid/gloo_group/{group_id}"
     missing = exchange.wait_for(store, key, local, exchange.arrive(store, key, local, rank), timeout)
     if not missing:
         return
-    members = _members_being_created(world_size)
     if members:
         group, who = f"gloo group {group_id} of ranks {members}", exchange.describe_ranks([members[i] for i in missing])
     else:  # only the ranks' places in the group are known
@@ -90,9 +89,11 @@ def _meet(store, rank, world_size, group_id, timeout: float) -> None:
 def _group_store(store, rank, world_size, group_id):
     """The view of the job's store the new group rendezvouses on, once all its ranks are there."""
     timeout = _deadline()
-    _meet(store, rank, world_size, group_id, timeout)
+    members = _members_being_created(world_size)
+    _meet(store, rank, world_size, group_id, timeout, members)
+    places = [f"rank {m}" for m in members] if members else [f"group rank {i}" for i in range(world_size)]
     return prefix_store(store, _RENDEZVOUS_PREFIX.format(group_id), timeout,
-                        f"rendezvous of gloo group {group_id} (deadline PADDLE_HYBRID_TIMEOUT)")
+                        f"rendezvous of gloo group {group_id} (deadline PADDLE_HYBRID_TIMEOUT)", places)
 
 
 def _make_new_pg_impl(orig_impl):

@@ -117,7 +117,8 @@ def ring_store(info: RingInfo, call, timeout: float):
 
     return prefix_store(_global_store(), _PREFIX.format(call=call, ring=info.ring_id), timeout,
                         f"the rendezvous of ring {info.ring_id} (every rank must build the same program with the "
-                        f"same strategy; the deadline is {DEADLINE_SETTING})")
+                        f"same strategy; the deadline is {DEADLINE_SETTING})",
+                        [f"ring rank {i} ({endpoint})" for i, endpoint in enumerate(info.endpoints)])
 
 
 def close_all() -> None:

@@ -135,6 +135,7 @@ def test_ring_rendezvous_times_out_naming_ring_and_ranks(monkeypatch):
     message = str(caught.value)
     assert "ring 21 (ranks at 127.0.0.1:6170, 127.0.0.1:6171" in message, message
     assert "was not set within 0.5 s" in message and rings.DEADLINE_SETTING in message, message
+    assert "ring rank 1 (127.0.0.1:6171) did not reach the rendezvous" in message, message
     assert 21 not in rings.rings
 
 
