@@ -15,7 +15,11 @@
 #    rebuilt when a source is newer than the library, when the library was
 #    built against another Paddle than this venv's (build/custom_ops.stamp
 #    records which), or when this venv does not have the tree installed;
-#  * MKL_DEBUG_CPU_TYPE exported when paddle_hybrid.cpu_blas decides so (AMD CPU, old MKL).
+#  * MKL_DEBUG_CPU_TYPE exported when paddle_hybrid.cpu_blas decides so (AMD CPU, old MKL);
+#  * PADDLE_HYBRID_MKL_PATH=alternate: MKL's second code path on this CPU instead
+#    (paddle_hybrid/cpu_blas/paths.py: AVX2 kernels on an AVX-512 Intel, the generic
+#    ones on AMD), to see a tolerance that holds on one CPU only; =default or =alternate
+#    also logs which kernels MKL takes.
 # A failed pip install stops here with pip's output.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -159,3 +163,13 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # so every process started from here has it before its first BLAS call.
 blas_env=$("$PY" -m paddle_hybrid.cpu_blas) || { log "python -m paddle_hybrid.cpu_blas failed (above)"; exit 1; }
 eval "$blas_env"
+case "${PADDLE_HYBRID_MKL_PATH:-}" in
+  ""|default) ;;
+  alternate)
+    alt_env=$("$PY" -m paddle_hybrid.cpu_blas --alternate) || { log "python -m paddle_hybrid.cpu_blas --alternate failed (above)"; exit 1; }
+    eval "$alt_env" ;;
+  *) log "PADDLE_HYBRID_MKL_PATH=$PADDLE_HYBRID_MKL_PATH: expected 'default' or 'alternate'"; exit 1 ;;
+esac
+if [ -n "${PADDLE_HYBRID_MKL_PATH:-}" ]; then
+  log "MKL code path ($PADDLE_HYBRID_MKL_PATH): $("$PY" -m paddle_hybrid.cpu_blas --which 2>/dev/null)"
+fi

@@ -16,7 +16,7 @@ import os
 
 from .decision import VARIABLE, Facts
 
-__all__ = ["CPUINFO", "MKL_FILE", "read_cpu", "mapped_mkl", "mkl_path", "mkl_version", "mkl_cpu_type", "gather"]
+__all__ = ["CPUINFO", "MKL_FILE", "read_cpu", "read_flags", "mapped_mkl", "mkl_path", "mkl_version", "mkl_cpu_type", "gather"]
 
 CPUINFO = "/proc/cpuinfo"
 MKL_FILE = "libmklml_intel.so"  # the MKL Paddle's CPU wheels bundle (libs/) and dlopen
@@ -40,6 +40,19 @@ def read_cpu(path: str = CPUINFO) -> tuple[str | None, str, bool]:
         if vendor and flags:
             break
     return vendor, (path if vendor else f"no vendor_id in {path}"), {"avx2", "fma"} <= flags
+
+
+def read_flags(path: str = CPUINFO) -> frozenset:
+    """The instruction-set flags of the first CPU (``avx2``, ``avx512f``, ...); empty if unreadable."""
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def mapped_mkl() -> str | None:
