@@ -200,3 +200,40 @@ def test_read_cpu_from_a_cpuinfo_file(tmp_path):
     assert machine.read_cpu(str(info))[0::2] == ("GenuineIntel", False)
     vendor, note, _ = machine.read_cpu(str(tmp_path / "missing"))
     assert vendor is None and "no " in note
+
+
+def test_read_flags_from_a_cpuinfo_file(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 avx512f\n")
+    assert machine.read_flags(str(info)) == frozenset({"fpu", "avx2", "avx512f"})
+    assert machine.read_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def _cpu_blas_cli(*args, env=None):
+    proc = subprocess.run([sys.executable, "-m", "paddle_hybrid.cpu_blas", *args], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, proc.stderr
+
+
+def test_this_machine_second_code_path_is_another_mkl_path():
+    """``--alternate`` on this machine: where a second path is known, a fresh plugin process
+    started with its environment dispatches MKL to other kernels than one started without it
+    (``--which`` asks MKL itself); where none is known it says so and prints nothing."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MKL_ENABLE_INSTRUCTIONS", "PADDLE_HYBRID_CPU_BLAS")}
+    lines, note = _cpu_blas_cli("--alternate", env=base)
+    if not lines:
+        assert "no second MKL code path" in note
+        return
+    alternate = dict(base)
+    for line in lines.splitlines():
+        verb, _, rest = line.partition(" ")
+        if verb == "unset":
+            alternate.pop(rest, None)
+        else:
+            key, _, value = rest.partition("=")
+            alternate[key] = value
+    default_type, _ = _cpu_blas_cli("--which", env=base)
+    alternate_type, _ = _cpu_blas_cli("--which", env=alternate)
+    assert default_type.startswith("CPU type") and alternate_type.startswith("CPU type"), (default_type, alternate_type)
+    assert default_type != alternate_type, (default_type, alternate_type, lines)

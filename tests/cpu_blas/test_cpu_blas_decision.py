@@ -54,3 +54,50 @@ def test_amd_without_avx2_sets_nothing():
 def test_a_value_set_before_is_left_alone(preset):
     d = decide(Facts(**{**AMD, "preset": preset}))
     assert d.set_value is None and "left as it is" in d.reason
+
+
+# MKL's second code path (paddle_hybrid.cpu_blas.paths), with the machine's facts faked
+
+from paddle_hybrid.cpu_blas.decision import Decision  # noqa: E402
+from paddle_hybrid.cpu_blas.paths import alternate_path, describe_cpu_type, shell_lines  # noqa: E402
+
+NOTHING = Decision(None, "Intel CPU")
+AVX2_SET = Decision(VALUE, "AMD CPU with AVX2/FMA")
+
+
+def test_avx512_intel_runs_the_avx2_kernels_second():
+    path = alternate_path("GenuineIntel", frozenset({"avx2", "fma", "avx512f"}), NOTHING)
+    assert path.environment == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert "AVX2" in path.label and "AVX-512" in path.label
+    assert shell_lines(path) == "export MKL_ENABLE_INSTRUCTIONS=AVX2\n"
+
+
+def test_avx2_intel_runs_the_avx_kernels_second():
+    path = alternate_path("GenuineIntel", frozenset({"avx2", "fma"}), NOTHING)
+    assert path.environment == {"MKL_ENABLE_INSTRUCTIONS": "AVX"}
+
+
+def test_amd_with_the_plugins_avx2_runs_the_generic_kernels_second():
+    """The plugin's own setting is switched off for the workers and the variable unset, so no
+    process of the run takes the AVX2 path again."""
+    path = alternate_path("AuthenticAMD", frozenset({"avx2", "fma"}), AVX2_SET)
+    assert path.environment == {"PADDLE_HYBRID_CPU_BLAS": "0", "MKL_DEBUG_CPU_TYPE": None}
+    assert shell_lines(path) == "unset MKL_DEBUG_CPU_TYPE\nexport PADDLE_HYBRID_CPU_BLAS=0\n"
+    assert "generic" in path.label
+
+
+@pytest.mark.parametrize("vendor, flags, decision", [
+    ("AuthenticAMD", frozenset({"avx2", "fma"}), NOTHING),  # a newer MKL, or the user's own value
+    ("GenuineIntel", frozenset({"sse4_2"}), NOTHING),
+    (None, frozenset(), NOTHING),
+    ("HygonGenuine", frozenset({"avx2"}), NOTHING),
+])
+def test_no_second_path_where_none_is_known(vendor, flags, decision):
+    assert alternate_path(vendor, flags, decision) is None
+
+
+def test_cpu_types_are_named():
+    assert describe_cpu_type(7) == "CPU type 7 (AVX-512)"
+    assert describe_cpu_type(5) == "CPU type 5 (AVX2)"
+    assert describe_cpu_type(2) == "CPU type 2 (generic or other)"
+    assert "unknown" in describe_cpu_type(None)

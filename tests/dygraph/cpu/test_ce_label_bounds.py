@@ -1,6 +1,8 @@
 """TP2 ParallelCrossEntropy on CPU: a label outside the vocabulary raises on every rank, as
 Paddle's kernel does (before the check: exit 0 and the loss silently the log-sum-exp); valid
-labels and ignore_index give the one-process loss."""
+labels and ignore_index give the one-process loss: against a float64 NumPy log-sum-exp of the
+gathered logits, rtol 1e-5 (float32 exponentials summed in two partial sums of 8; their
+rounding is ~1e-7 relative), atol 1e-7 where ignore_index gives 0."""
 import os
 
 import numpy as np
