@@ -12,7 +12,7 @@ So an unchanged fleet script trains on CPU with one command::
 Why a bootstrap script rather than ``sitecustomize``/``PYTHONSTARTUP``: it touches only the
 workers of this launch (not every Python started by them, e.g. data-loader or compiler
 subprocesses), it cannot shadow a site's own ``sitecustomize``, and it keeps Paddle's
-``-u``, log files, restarts and exit codes because Paddle's launcher still starts and watches
+``-u``, log files, etcd elastic restarts and exit codes because Paddle's launcher still starts and watches
 every process.
 
 Also, before Paddle's launcher starts:
@@ -24,6 +24,9 @@ Also, before Paddle's launcher starts:
 * ``MKL_DEBUG_CPU_TYPE=5`` when :mod:`paddle_hybrid.cpu_blas` decides so for this machine (an
   AMD CPU and a Paddle MKL that honours it) and the user has not set it: in the worker's
   environment from its start, it works even if the script runs a matmul before any import.
+
+With ``--max_restart N`` given explicitly, a failed job is restarted as a whole, up to N times,
+each worker told which attempt it is in ``PADDLE_HYBRID_RESTART_COUNT`` (:mod:`.restart`).
 
 When a worker fails, the launcher names the root cause and exits with its code: the worker that
 failed first in time on its own, not the -15 of a rank Paddle's launcher stopped nor a peer whose
@@ -42,6 +45,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+
+from .restart import requested_restarts, run_attempts
 
 __all__ = ["BOOTSTRAP", "split_script", "worker_argv", "processes_per_node", "usable_cores", "omp_threads",
            "launch_environment", "environ_as_the_user_set_it", "main"]
@@ -137,10 +142,15 @@ def environ_as_the_user_set_it() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse like Paddle, rewrite the worker command, set the environment, run Paddle's
+    """Parse like Paddle; with an explicit ``--max_restart``, run the job in the restart loop
+    (:mod:`.restart`); else rewrite the worker command, set the environment, run Paddle's
     launcher (its ``sys.exit`` carries the root cause's exit code, see :mod:`.exit_code`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_with_paddle(argv)
+    restarts = requested_restarts(argv[:split_script(argv, args)], args, os.environ)
+    if restarts is not None:
+        log_dir = os.environ.get("PADDLE_LOG_DIR") or args.log_dir
+        sys.exit(run_attempts([sys.executable, "-m", "paddle_hybrid.launch", *argv], restarts, log_dir))
     new_argv = worker_argv(argv, args)
     os.environ.update(launch_environment(args, environ_as_the_user_set_it()))
     from paddle.distributed.launch.main import launch
