@@ -8,10 +8,11 @@ pickle as they do under plain Python.  An exception or ``sys.exit`` in the scrip
 process as it would without the bootstrap (exit status 1 or the given code).
 
 **The failure record.**  When the script ends with an exception or a non-zero ``sys.exit``,
-the bootstrap first writes when that happened and a one-line reason (``RuntimeError: boom``,
-``SystemExit: 7``) to ``<dir>/<pid>.json``, where ``<dir>`` is the directory the launcher names
+the bootstrap first writes when that happened, a one-line reason (``RuntimeError: boom``,
+``SystemExit: 7``) and the status it is about to exit with (1, 7) to ``<dir>/<pid>.json``, where ``<dir>`` is the directory the launcher names
 in ``PADDLE_HYBRID_LAUNCH_RECORDS`` (no variable: no record).  The launcher compares these
-times to find the worker that failed first (:mod:`.exit_code`).  The time is taken where the
+times to find the worker that failed first (:mod:`.exit_code`), and reports the recorded status
+when the launcher's stop killed the worker while its interpreter was still tearing down.  The time is taken where the
 exception leaves the script, not at the process's exit: tearing down an interpreter with Paddle
 loaded takes a while, and a peer's collective may fail in between.  A worker that dies without
 running Python's unwinding (``os._exit``, a signal, a C++ abort) leaves no record; the launcher
@@ -57,17 +58,31 @@ def one_line_reason(exc: BaseException) -> str:
     return reason if len(reason) <= REASON_LIMIT else reason[:REASON_LIMIT - 3] + "..."
 
 
+def exit_status(exc: BaseException) -> int | None:
+    """The status the interpreter exits with because of ``exc``: the code of ``sys.exit(int)``,
+    1 for another exception or ``sys.exit("message")``; None for ``KeyboardInterrupt``, which
+    ends the process by its signal."""
+    if isinstance(exc, KeyboardInterrupt):
+        return None
+    if isinstance(exc, SystemExit):
+        if exc.code is None:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 1
+    return 1
+
+
 def is_failure(exc: BaseException) -> bool:
     """Whether the process ends with a non-zero status because of ``exc``."""
     return not (isinstance(exc, SystemExit) and exc.code in (None, 0))
 
 
-def write_record(directory: str, pid: int, rank: int, when: float, reason: str) -> None:
-    """Write the failure record of process ``pid`` (atomically: temporary name, then rename)."""
+def write_record(directory: str, pid: int, rank: int, when: float, reason: str, code: int | None = None) -> None:
+    """Write the failure record of process ``pid`` (atomically: temporary name, then rename);
+    ``code``: the status it is about to exit with, if known."""
     path = os.path.join(directory, f"{pid}.json")
     partial = path + ".partial"
     with open(partial, "w") as f:
-        json.dump({"pid": pid, "rank": rank, "time": when, "reason": reason}, f)
+        json.dump({"pid": pid, "rank": rank, "time": when, "reason": reason, "code": code}, f)
     os.replace(partial, path)
 
 
@@ -96,7 +111,7 @@ def _record_failure(exc: BaseException, when: float) -> None:
         return
     try:
         rank = int(os.environ.get("PADDLE_TRAINER_ID", "-1"))
-        write_record(directory, os.getpid(), rank, when, one_line_reason(exc))
+        write_record(directory, os.getpid(), rank, when, one_line_reason(exc), exit_status(exc))
     except Exception:  # noqa: BLE001  (a record is a courtesy; the script's own error matters)
         pass
 

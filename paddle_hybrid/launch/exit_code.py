@@ -213,6 +213,10 @@ def worker_ends(pod, records: dict) -> list[WorkerEnd]:
     for index, container in enumerate(pod.containers):
         code = container.exit_code
         record = records.get(getattr(_process(container), "pid", None)) or {}
+        if code is not None and code < 0 and isinstance(record.get("code"), int) and record["code"] != 0:
+            # it recorded its failure and the status it was exiting with, then a signal (the
+            # launcher's stop, while its interpreter tore down) ended it: the status it chose counts
+            code = record["code"]
         end = WorkerEnd(index=index, rank=_global_rank(container, index), code=code, own=False,
                         exit_time=state.exit_times.get(id(container)), record_time=record.get("time"),
                         reason=record.get("reason"), log=getattr(container, "outfile", None),

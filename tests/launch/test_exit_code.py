@@ -371,3 +371,22 @@ def test_one_line_reason_of_a_paddle_error():
     assert bootstrap.one_line_reason(RuntimeError("first\nsecond")) == "RuntimeError: first"
     assert bootstrap.one_line_reason(KeyboardInterrupt()) == "KeyboardInterrupt"
     assert len(bootstrap.one_line_reason(RuntimeError("x" * 5000))) <= 300
+
+
+def test_a_worker_stopped_while_exiting_after_its_own_failure_keeps_its_recorded_code():
+    """Rank 0 raised (its record: code 1) and was still tearing down when the launcher's stop
+    ended it with -15: the root cause is rank 0 with code 1, not -15 (was: -15, exit status 241)."""
+    with ec.root_cause_exit_code() as launch:
+        pod = _pod(None, None)
+        bootstrap.write_record(launch.directory, pid=pod.containers[0].pid, rank=0, when=T0,
+                               reason="AssertionError: loss is nan", code=1)
+        pod.stop(timeout=3)
+        assert pod.exit_code == 1
+        assert (launch.decision.rank, launch.decision.code) == (0, 1)
+        assert launch.decision.reason == "AssertionError: loss is nan"
+
+
+@pytest.mark.parametrize("exc, status", [(RuntimeError("x"), 1), (SystemExit(7), 7), (SystemExit("msg"), 1),
+                                         (SystemExit(None), 0), (KeyboardInterrupt(), None)])
+def test_the_bootstrap_knows_the_status_an_exception_exits_with(exc, status):
+    assert bootstrap.exit_status(exc) == status
