@@ -22,7 +22,7 @@ import collections
 import json
 import time
 
-__all__ = ["ExchangeTimeout", "exchange", "job_store", "arrive", "wait_for", "describe_ranks"]
+__all__ = ["ExchangeTimeout", "exchange", "job_store", "arrive", "wait_for", "missing", "describe_ranks"]
 
 _POLL = 0.005  # seconds between two reads of the store's counters
 _counts: collections.Counter = collections.Counter()
@@ -90,7 +90,8 @@ def arrive(store, key: str, ranks: list, rank: int) -> dict:
     return {index // _BITS: store.add(f"{key}/present/{index // _BITS}", 1 << (index % _BITS))}
 
 
-def _missing(ranks: list, seen: dict) -> list:
+def missing(ranks: list, seen: dict) -> list:
+    """The ranks (of the sorted ``ranks``) whose presence bit ``seen`` lacks."""
     return [r for i, r in enumerate(ranks) if not (seen.get(i // _BITS, 0) >> (i % _BITS)) & 1]
 
 
@@ -99,7 +100,7 @@ def wait_for(store, key: str, ranks: list, seen: dict, timeout: float) -> list:
     sorted ``ranks``) that have not arrived by then, ``[]`` as soon as all have."""
     deadline = time.monotonic() + timeout
     while True:
-        waiting = _missing(ranks, seen)
+        waiting = missing(ranks, seen)
         if not waiting or time.monotonic() >= deadline:
             return waiting
         time.sleep(_POLL)

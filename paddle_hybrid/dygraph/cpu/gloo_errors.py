@@ -23,9 +23,24 @@ Which rank was waited for:
   matched by a per-group count of the calls made through these methods, the same on every rank of
   a correct program.
 
-Nothing is added to an operation that completes: one dict increment per call.  Errors other than
-a timeout (a peer closing its connection: the launcher reports the rank that died) pass through
-unchanged.  Not covered: collectives Paddle calls from C++ without this Python method (the
+**A peer that died is not a timeout.**  Gloo reports a connection its peer closed (the peer
+exited, crashed or was killed) with the same ``TIMEOUT`` message, at once: a survivor used to say
+"timed out after 600 s" 0.02 s after the death.  Other survivors get ``Read error ...: Connection
+reset by peer``, which names an address, not a rank.  A gloo timeout raised before half the
+deadline has passed, and a reset or closed connection, are therefore re-raised as
+:class:`GlooPeerLostError`, naming the rank gloo's pair was connected to (its ``pair_rank``, a
+place in the group; the peer of a send/recv; the other rank of a group of two), else the ranks of
+the group that did not also report the loss in the job's store within the naming window (every
+survivor reports it, also one that knows the rank at once)::
+
+    paddle_hybrid: all_reduce on the gloo group of ranks [0, 1] lost rank 1 after 0.02 s:
+    connection closed by peer (that rank exited, crashed or was killed; its own log says why);
+    not a timeout (the deadline is 600 s, PADDLE_HYBRID_TIMEOUT). gloo: ...
+
+Its wording ("closed by peer") is what the launcher counts as a failure caused by another rank.
+
+Nothing is added to an operation that completes: one dict increment and a clock read per call.
+Other errors pass through unchanged.  Not covered: collectives Paddle calls from C++ without this Python method (the
 DataParallel reducer, static-graph and ``_C_ops`` communication ops) keep gloo's message.
 """
 from __future__ import annotations
@@ -33,10 +48,12 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import time
 
 from ...common import exchange, gloo_timeout
 
-__all__ = ["apply", "GlooTimeoutError", "OPERATIONS", "naming_window", "is_gloo_timeout"]
+__all__ = ["apply", "GlooTimeoutError", "GlooPeerLostError", "OPERATIONS", "naming_window", "is_gloo_timeout",
+           "lost_peer_before"]
 
 # ProcessGroup methods that communicate; those this Paddle lacks are skipped.  Not the all-to-alls:
 # gloo has none, the expert_parallel component replaces them with send/recv, which are named here.
@@ -51,6 +68,8 @@ OPERATIONS = (
 )
 _P2P = re.compile(r"^(send|recv)")
 _TIMEOUT = re.compile(r"\bTIMEOUT\b|timed out", re.IGNORECASE)
+_PAIR_RANK = re.compile(r"pair_rank = (\d+)")
+_CLOSED = re.compile(r"connection (?:reset|closed) by peer|closed by peer|broken pipe", re.IGNORECASE)
 _MAX_WINDOW = 5.0  # seconds a timed-out rank waits to learn which peers timed out with it
 
 # id(process group object) -> calls made through the patched methods: the operation's number.
@@ -65,6 +84,25 @@ class GlooTimeoutError(RuntimeError):
         super().__init__(message)
         self.operation, self.group_ranks, self.waited_for = operation, group_ranks, waited_for
         self.seconds, self.setting = seconds, setting
+
+
+class GlooPeerLostError(RuntimeError):
+    """A gloo operation failed long before its deadline because a peer closed its connection.
+    ``operation``, ``group_ranks`` (global), ``lost`` (global ranks named; several when only the
+    store could tell, empty when nothing could), ``peer`` (the one rank when exactly one is named,
+    else None), ``seconds`` (how long the operation ran), ``deadline`` (seconds)."""
+
+    def __init__(self, message, *, operation, group_ranks, lost, seconds, deadline):
+        super().__init__(message)
+        self.operation, self.group_ranks, self.lost = operation, group_ranks, lost
+        self.peer = lost[0] if len(lost) == 1 else None
+        self.seconds, self.deadline = seconds, deadline
+
+
+def lost_peer_before(elapsed: float, deadline: float | None) -> bool:
+    """Whether a gloo "timeout" after ``elapsed`` seconds is a closed connection: it came before
+    half of a known deadline."""
+    return deadline is not None and elapsed < deadline / 2
 
 
 def is_gloo_timeout(exc: BaseException) -> bool:
@@ -136,6 +174,55 @@ def _waited_for(operation, args, kwargs, group, number, rank, seconds):
     return (missing or others), ("window" if missing else "unknown")
 
 
+def is_closed_connection(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and _CLOSED.search(str(exc)) is not None
+
+
+def _known_peer(operation, args, kwargs, group, rank, raw):
+    """Global rank of the peer whose connection closed when the error itself tells: gloo's
+    ``pair_rank`` (a place in the group), the peer of a send/recv, the other rank of two."""
+    ranks = sorted(group.ranks)
+    found = _PAIR_RANK.search(str(raw))
+    if found and int(found.group(1)) < len(ranks):
+        return ranks[int(found.group(1))]
+    if _P2P.match(operation):
+        peer = _peer(operation, args, kwargs, list(group.ranks))
+        if peer is not None:
+            return peer
+    others = [r for r in ranks if r != rank]
+    return others[0] if len(others) == 1 else None
+
+
+def _lost_peers(operation, args, kwargs, group, number, rank, raw, deadline):
+    """Global ranks lost: the one the error names, else those that did not report the same
+    loss in the job's store within the naming window.  Every survivor reports it first.  The
+    store may go down in the window (its host was a survivor that has exited by now): then the
+    ranks not seen before that."""
+    ranks = sorted(group.ranks)
+    key = f"paddle_hybrid/gloo_peer_lost/{'-'.join(map(str, ranks))}/{group.id}/{number}"
+    known = _known_peer(operation, args, kwargs, group, rank, raw)
+    seen = None
+    try:
+        store = exchange.job_store()
+        seen = exchange.arrive(store, key, ranks, rank)
+        if known is not None:
+            return [known]
+        return exchange.wait_for(store, key, ranks, seen, naming_window(deadline))
+    except Exception:  # noqa: BLE001  (the store's host may have exited or died)
+        if known is not None:
+            return [known]
+        return exchange.missing(ranks, seen) if seen is not None else []
+
+
+def _lost_message(operation, group_ranks, lost, elapsed, deadline, setting, raw):
+    who = exchange.describe_ranks(lost) if lost else "a peer"
+    gloo = " ".join(str(raw).split())
+    deadline_note = f" (the deadline is {deadline:g} s, {setting})" if deadline is not None else ""
+    return (f"paddle_hybrid: {operation} on the gloo group of ranks {group_ranks} lost {who} after {elapsed:.2f} s: "
+            f"connection closed by peer (that rank exited, crashed or was killed; its own log says why); not a "
+            f"timeout{deadline_note}. gloo: {gloo}")
+
+
 def _message(operation, group_ranks, waited, sureness, seconds, setting, window, raw):
     after = f"after {seconds:g} s " if seconds is not None else ""
     who = exchange.describe_ranks(waited)
@@ -156,11 +243,14 @@ def _make_named(operation: str, original, config):
     def named(self, *args, **kwargs):
         number = _calls[id(self)]
         _calls[id(self)] = number + 1
+        started = time.monotonic()
         try:
             return original(self, *args, **kwargs)
         except RuntimeError as exc:
-            if not is_gloo_timeout(exc):
+            timeout, closed = is_gloo_timeout(exc), is_closed_connection(exc)
+            if not (timeout or closed):
                 raise
+            elapsed = time.monotonic() - started
             group = _group_of(self)
             if group is None:
                 raise
@@ -168,6 +258,12 @@ def _make_named(operation: str, original, config):
 
             rank = dist.get_rank()
             seconds, setting = _deadline(self, config)
+            if closed or lost_peer_before(elapsed, seconds):
+                group_ranks = sorted(group.ranks)
+                lost = _lost_peers(operation, args, kwargs, group, number, rank, exc, seconds)
+                raise GlooPeerLostError(_lost_message(operation, group_ranks, lost, elapsed, seconds, setting, exc),
+                                        operation=operation, group_ranks=group_ranks, lost=lost, seconds=elapsed,
+                                        deadline=seconds) from exc
             waited, sureness = _waited_for(operation, args, kwargs, group, number, rank, seconds)
             group_ranks = sorted(group.ranks)
             message = _message(operation, group_ranks, waited, sureness, seconds, setting, naming_window(seconds), exc)

@@ -82,3 +82,27 @@ def test_a_group_only_one_rank_creates_fails_at_the_deadline_naming_the_other():
     assert "new_group (gloo group" in out["error"] and "of ranks [0, 1]) waited 3 s for rank 1" in out["error"], out
     assert "PADDLE_HYBRID_TIMEOUT" in out["error"], out
     assert 2.5 < out["seconds"] < 6, out
+
+
+@needs_gloo_timeout
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_peer_that_left_is_named_as_lost_not_as_a_timeout(nranks):
+    """The last rank leaves before an all_reduce (deadline 60 s).  Gloo tells a survivor within
+    milliseconds, either as TIMEOUT (the pair whose peer closed) or as "Connection reset by peer"
+    (naming an address).  Every survivor raises ``GlooPeerLostError`` naming the rank that left:
+    at once where gloo's error gives its place, else after the naming window (5 s), from which
+    survivors reported the loss in the job's store.  Seen failing first: "timed out after 60 s ...
+    waiting for rank N" 0.01 s after the death (with 3 ranks after the 5 s window), or gloo's reset
+    message naming no rank."""
+    results = launch(WORKER, nranks, args=["--late", "0", "--die"], timeout=180, env={"PADDLE_HYBRID_TIMEOUT": "60"})
+    last = nranks - 1
+    assert results[last] == {"left": True}
+    for rank in range(last):
+        out = results[rank]["all_reduce"]
+        assert not out["ok"] and out["type"] == "GlooPeerLostError", (rank, out)
+        assert out["peer"] == last, (rank, out)
+        assert out["error"].startswith(f"paddle_hybrid: all_reduce on the gloo group of ranks "
+                                       f"{list(range(nranks))} lost rank {last} after "), out["error"]
+        assert "connection closed by peer" in out["error"], out
+        assert "not a timeout (the deadline is 60 s, PADDLE_HYBRID_TIMEOUT)" in out["error"], out
+        assert out["seconds"] < 10, (rank, out)  # the naming window at most, far from the deadline

@@ -5,7 +5,8 @@
 On 2 ranks, rank 1 sleeps ``--late`` seconds before an all_reduce on the global group (made by
 ``init_parallel_env``) and again before a send on a ``new_group`` (made with ``timeout=`` when
 ``--group-timeout`` is given); rank 0 calls both at once.  On more ranks only the all_reduce is
-made (the last rank late).  With ``--extra-group`` rank 0 creates a group rank 1 never creates.
+made (the last rank late).  With ``--die`` the last rank leaves after a first all_reduce, before
+the second one.  With ``--extra-group`` rank 0 creates a group rank 1 never creates.
 Reports, per operation, whether it finished, its error's first line, the seconds it took, the
 ranks a ``GlooTimeoutError`` names, and the timeout each group's gloo context holds.
 """
@@ -20,13 +21,17 @@ def _timed(fn):
         return {"ok": True, "error": None, "seconds": time.perf_counter() - start}
     except Exception as exc:  # reported to the test
         return {"ok": False, "error": str(exc).strip().splitlines()[0][:1000], "seconds": time.perf_counter() - start,
-                "type": type(exc).__name__, "waited_for": getattr(exc, "waited_for", None)}
+                "type": type(exc).__name__, "waited_for": getattr(exc, "waited_for", None),
+                "peer": getattr(exc, "peer", None)}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--late", type=float, required=True)
     parser.add_argument("--group-timeout", type=float, default=None, help="new_group(timeout=) in seconds")
+    parser.add_argument("--die", action="store_true",
+                        help="the last rank leaves (exit status 0, so the launcher lets the others finish) "
+                             "before an all_reduce the others make")
     parser.add_argument("--extra-group", action="store_true",
                         help="rank 0 calls new_group([0, 1]) once more than rank 1, which waits --late s and exits")
     args = parser.parse_args()
@@ -40,6 +45,15 @@ def main():
 
     dist.init_parallel_env()
     rank, last = dist.get_rank(), dist.get_world_size() - 1
+    if args.die:
+        dist.all_reduce(paddle.ones([4]))  # every connection of the group made
+        if rank == last:
+            import os
+
+            save_result({"left": True})
+            os._exit(0)
+        save_result({"all_reduce": _timed(lambda: dist.all_reduce(paddle.ones([4])))})
+        return
     if args.extra_group:
         out = {"new_group": _timed(lambda: dist.new_group([0, 1])) if rank == 0 else None}
         if rank == 1:
