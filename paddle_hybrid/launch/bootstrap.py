@@ -19,18 +19,27 @@ running Python's unwinding (``os._exit``, a signal, a C++ abort) leaves no recor
 knows its exit time from its own watcher.  The record is plain JSON, written to a temporary
 name and renamed, so the launcher never reads half of one.
 
+**The stack on request.**  The bootstrap registers :mod:`faulthandler` on ``SIGUSR2``
+(:data:`STACK_SIGNAL`): the signal writes every thread's Python stack to the worker's stderr, its
+log, and the worker goes on.  The launcher sends it to a rank its peers timed out waiting for,
+before stopping the job, so the report shows where that rank hung.  A script that installs its own
+``SIGUSR2`` handler replaces this one.
+
 Run as a file, not as part of the package: this directory, which Python put first on
 ``sys.path``, is replaced by the script's.  The launcher imports this file as a module only
 for :func:`read_records` and the record's format; it needs nothing but the standard library.
 """
+import faulthandler
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 
 RECORD_DIR = "PADDLE_HYBRID_LAUNCH_RECORDS"
 REASON_LIMIT = 300  # characters of a reason
+STACK_SIGNAL = signal.SIGUSR2
 
 
 def _first_line(message: str) -> str:
@@ -134,6 +143,7 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     # Python puts the directory of the (symlink-resolved) script first on sys.path.
     sys.path[0] = os.path.dirname(os.path.realpath(script))
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
     try:
         _import_plugin()
         runpy.run_path(script, run_name="__main__")

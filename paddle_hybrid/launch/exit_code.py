@@ -15,6 +15,17 @@ own" when its code is not 0 and it had ended, or recorded its failure, before th
 to stop the pod; a worker the launcher stopped never is the cause.  When no worker failed on its
 own (the user pressed Ctrl-C, a peer node failed), Paddle's rule stands and nothing is printed.
 
+**A rank that hung.**  A worker that does not fail but stops (a deadlock, an endless loop, a
+wait on something that never comes) is found by its peers: their next collective times out at
+``PADDLE_HYBRID_TIMEOUT`` and its ``GlooTimeoutError`` names the rank it waited for
+(:mod:`paddle_hybrid.dygraph.cpu.gloo_errors`).  When the first failure is such a timeout and the
+rank it waited for is still running when the launcher begins to stop the pod, that rank is the
+root cause ("rank 1 hung; the job exits with code 1"), not the peer that timed out.  Before the
+stop the launcher sends it ``SIGUSR2``, on which the bootstrap's :mod:`faulthandler` writes every
+thread's Python stack into its log, and waits :data:`STACK_WAIT` seconds; the report shows that
+log's tail, so the stack where it hung.  The bound is the deadline the user set, nothing of its
+own: a hang in which no rank waits on another (every rank stuck) is not found.
+
 **When each worker failed** comes from two sources:
 
 * the worker's own record: the bootstrap (:mod:`.bootstrap`) writes the time and a one-line
@@ -68,7 +79,8 @@ from ..registry.patching import Patcher, describe_versions, version_supported
 from . import bootstrap
 
 __all__ = ["VERIFIED_PADDLE", "TAIL_LINES", "RootCause", "WorkerEnd", "root_cause_exit_code", "own_failures",
-           "is_collateral", "root_cause", "note_exit", "watch_exit", "format_root_cause"]
+           "is_collateral", "root_cause", "note_exit", "watch_exit", "format_root_cause", "waited_for",
+           "dump_stacks_of_the_waited_for"]
 
 # Paddle versions whose Pod.stop / deploy / exit_code and Container._proc._proc (the worker's
 # Popen) were read and tested.
@@ -120,10 +132,24 @@ class RootCause:
     log: str | None = None
     log_offset: int = 0             # where this launch's part of an appended log begins
     also_failed: list = dataclasses.field(default_factory=list)  # the other own failures (WorkerEnd)
+    hung: bool = False              # a rank still running that its peers timed out waiting for
 
 
-def root_cause(ends: list[WorkerEnd]) -> RootCause | None:
-    """The rule of the module docstring over the workers' ends; None: none failed on its own."""
+# "... waiting for rank 3, which did not reach it" / "waiting for ranks [2, 3]: no sign ..." (gloo_errors)
+_WAITED_FOR = re.compile(r"timed out .*?waiting for (?:one of )?ranks? \[?([\d, ]+)\]?")
+
+
+def waited_for(reason: str | None) -> list[int]:
+    """The ranks a worker's timeout says it waited for (``GlooTimeoutError``'s wording), or []."""
+    found = _WAITED_FOR.search(reason or "")
+    return [int(r) for r in found.group(1).replace(",", " ").split()] if found else []
+
+
+def root_cause(ends: list[WorkerEnd], hung: dict | None = None) -> RootCause | None:
+    """The rule of the module docstring over the workers' ends; None: none failed on its own.
+    ``hung``: global rank -> :class:`WorkerEnd` of the workers still running when the launcher
+    began to stop the pod; when the first failure is a timeout waiting for one of them, that
+    rank, which hung, is the root cause."""
     own = [end for end in ends if end.own and end.code not in (0, None)]
     if not own:
         return None
@@ -133,6 +159,13 @@ def root_cause(ends: list[WorkerEnd]) -> RootCause | None:
 
     own.sort(key=order)
     first = own[0]
+    stuck = [r for r in waited_for(first.reason) if r in (hung or {})]
+    if stuck:
+        end = hung[stuck[0]]
+        reason = (f"hung: still running when rank {first.rank} timed out waiting for it; its Python stack is at the "
+                  f"end of its log ({first.reason})")
+        return RootCause(rank=end.rank, code=first.code, time=first.time, reason=reason, log=end.log,
+                         log_offset=end.log_offset, also_failed=own, hung=True)
     return RootCause(rank=first.rank, code=first.code, time=first.time, reason=first.reason, log=first.log,
                      log_offset=first.log_offset, also_failed=own[1:])
 
@@ -147,6 +180,7 @@ class _PodState:
         self.exit_times: dict[int, float] = {}  # id(container) -> exit time
         self.stopped_at: float | None = None
         self.failed_at_stop: list = []
+        self.running_at_stop: list = []  # containers still running at the first stop
 
     def note_exit(self, container, when: float) -> None:
         with self.lock:
@@ -251,7 +285,8 @@ def format_root_cause(cause: RootCause, lines: int = TAIL_LINES) -> str:
     """The block printed after Paddle's output."""
     head = "paddle_hybrid.launch:"
     reason = cause.reason or "no Python exception recorded"
-    out = [f"{head} root cause: rank {cause.rank} exited with code {cause.code} at {_clock(cause.time)} ({reason})"]
+    how = "hung; the job exits" if cause.hung else "exited"
+    out = [f"{head} root cause: rank {cause.rank} {how} with code {cause.code} at {_clock(cause.time)} ({reason})"]
     for end in cause.also_failed:
         delay = ""
         if end.time is not None and cause.time is not None:
@@ -279,9 +314,14 @@ class Launch:
         self.directory = directory
         self.decision: RootCause | None = None
 
+    def records(self) -> dict:
+        return bootstrap.read_records(self.directory) if self.directory else {}
+
     def decide(self, pod) -> RootCause | None:
-        records = bootstrap.read_records(self.directory) if self.directory else {}
-        self.decision = root_cause(worker_ends(pod, records))
+        ends = worker_ends(pod, self.records())
+        running = _state(pod).running_at_stop
+        hung = {end.rank: end for end, c in zip(ends, pod.containers) if any(c is r for r in running)}
+        self.decision = root_cause(ends, hung)
         return self.decision
 
     def forget_records(self) -> None:
@@ -289,6 +329,38 @@ class Launch:
             for name in os.listdir(self.directory):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(self.directory, name))
+
+
+STACK_WAIT = 1.0  # seconds given to a hung worker to write its stack before the stop
+
+
+def _runs_the_bootstrap(popen) -> bool:
+    """Whether the worker process runs the bootstrap (which handles the stack signal; for any
+    other program the signal's default action would end it)."""
+    try:
+        with open(f"/proc/{popen.pid}/cmdline", "rb") as f:
+            return os.path.basename(bootstrap.__file__).encode() in f.read()
+    except OSError:
+        return False
+
+
+def dump_stacks_of_the_waited_for(pod, records: dict) -> list[int]:
+    """Send the stack signal to every running worker a failed worker's timeout says it waited
+    for; returns their global ranks."""
+    waited = set()
+    for container in pod.containers:
+        record = records.get(getattr(_process(container), "pid", None)) or {}
+        if container.exit_code not in (0, None):
+            waited.update(waited_for(record.get("reason")))
+    asked = []
+    for index, container in enumerate(pod.containers):
+        popen = _process(container)
+        rank = _global_rank(container, index)
+        if rank in waited and container.exit_code is None and popen is not None and _runs_the_bootstrap(popen):
+            with contextlib.suppress(OSError):
+                popen.send_signal(bootstrap.STACK_SIGNAL)
+                asked.append(rank)
+    return asked
 
 
 def _install(patcher: Patcher, pod_class, launch: Launch) -> None:
@@ -304,6 +376,9 @@ def _install(patcher: Patcher, pod_class, launch: Launch) -> None:
         if state.stopped_at is None:
             state.stopped_at = time.time()
             state.failed_at_stop = own_failures(self)
+            state.running_at_stop = [c for c in self.containers if c.exit_code is None]
+            if dump_stacks_of_the_waited_for(self, launch.records()):
+                time.sleep(STACK_WAIT)
         return original_stop(self, *args, **kwargs)
 
     def deploy(self, *args, **kwargs):

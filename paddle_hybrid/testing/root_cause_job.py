@@ -17,7 +17,9 @@ SCRIPT = os.path.join(HERE, "dying_rank_script.py")
 TIMEOUT = 120
 
 # paddle_hybrid.launch: root cause: rank N exited with code C at 2026-11-25 03:55:08.408 (reason)
-ROOT_CAUSE = re.compile(r"paddle_hybrid\.launch: root cause: rank (?P<rank>\d+) exited with code (?P<code>-?\d+) "
+# paddle_hybrid.launch: root cause: rank N hung; the job exits with code C at ... (reason)
+ROOT_CAUSE = re.compile(r"paddle_hybrid\.launch: root cause: rank (?P<rank>\d+) (?P<how>exited|hung; the job exits) "
+                        r"with code (?P<code>-?\d+) "
                         r"at (?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \((?P<reason>.*)\)$", re.M)
 
 
@@ -32,6 +34,7 @@ class Job:
     code: int | None = None
     failed_at: float | None = None   # the time it was reported with (ms resolution)
     reason: str | None = None
+    hung: bool = False               # reported as a rank that hung, not one that exited
 
     @property
     def output(self) -> str:
@@ -43,11 +46,13 @@ class Job:
 
 
 def run(work_dir: str, how: str = "exit", fail_rank: int = 1, exit_code: int = 3,
-        launcher: str = "paddle_hybrid.launch") -> Job:
-    """One 2-rank job in ``work_dir`` (its ``--log_dir`` is ``work_dir/log``)."""
+        launcher: str = "paddle_hybrid.launch", env: dict | None = None) -> Job:
+    """One 2-rank job in ``work_dir`` (its ``--log_dir`` is ``work_dir/log``); ``env``: variables
+    added to the job's environment (which has no other ``PADDLE_*`` variable)."""
     log_dir = os.path.join(work_dir, "log")
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
-    env.update({"PYTHONPATH": ROOT, "GLOG_minloglevel": "2", "OMP_NUM_THREADS": "1"})
+    env.update({"PYTHONPATH": ROOT, "GLOG_minloglevel": "2", "OMP_NUM_THREADS": "1", **extra})
     cmd = [sys.executable, "-m", launcher, "--nproc_per_node", "2", "--log_dir", log_dir, SCRIPT,
            "--how", how, "--fail-rank", str(fail_rank), "--exit-code", str(exit_code)]
     with subprocess.Popen(cmd, env=env, cwd=work_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -62,5 +67,6 @@ def run(work_dir: str, how: str = "exit", fail_rank: int = 1, exit_code: int = 3
     found = ROOT_CAUSE.search(job.output)
     if found:
         job.rank, job.code, job.reason = int(found["rank"]), int(found["code"]), found["reason"]
+        job.hung = found["how"] != "exited"
         job.failed_at = datetime.datetime.strptime(found["time"], "%Y-%m-%d %H:%M:%S.%f").timestamp()
     return job

@@ -55,3 +55,19 @@ def test_the_exit_watcher_leaves_reaping_to_popen():
     while not seen and time.time() < deadline:
         time.sleep(0.01)
     assert len(seen) == 1 and started < seen[0] <= polled + 0.05
+
+
+def test_a_hung_rank_is_the_root_cause_with_its_stack_not_the_peer_that_timed_out(tmp_path):
+    """Rank 1 sleeps for ever; rank 0's all_reduce times out at PADDLE_HYBRID_TIMEOUT=4 s naming
+    rank 1.  The launcher names rank 1 (hung), exits with rank 0's code, and the log tail it
+    shows has rank 1's Python stack at the function it hung in.  Seen failing first: rank 0,
+    the peer, was named ("rank 0 exited with code 1 (GlooTimeoutError ...)")."""
+    started = time.time()
+    job = root_cause_job.run(str(tmp_path), how="hang", env={"PADDLE_HYBRID_TIMEOUT": "4"})
+    assert job.returncode == 1, _why(job)
+    assert (job.rank, job.code, job.hung) == (1, 1, True), _why(job)
+    assert "still running when rank 0 timed out waiting for it" in job.reason, _why(job)
+    after = job.output[job.output.index("paddle_hybrid.launch: root cause: rank 1 hung"):]
+    assert "in _stuck_forever" in after, _why(job)  # faulthandler's line of the hung frame
+    assert "also failed: rank 0 (code 1" in after and "waiting for rank 1" in after, _why(job)
+    assert time.time() - started < 60, _why(job)
