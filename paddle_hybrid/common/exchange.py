@@ -22,7 +22,8 @@ import collections
 import json
 import time
 
-__all__ = ["ExchangeTimeout", "exchange", "job_store", "arrive", "wait_for", "missing", "describe_ranks"]
+__all__ = ["ExchangeTimeout", "exchange", "job_store", "arrive", "wait_for", "missing", "describe_ranks",
+           "AgreementError", "differences"]
 
 _POLL = 0.005  # seconds between two reads of the store's counters
 _counts: collections.Counter = collections.Counter()
@@ -49,6 +50,25 @@ def job_store():
 
 def describe_ranks(ranks: list) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+class AgreementError(RuntimeError):
+    """The ranks of a job started with settings that must be equal and are not."""
+
+
+def differences(by_rank: dict) -> list:
+    """``["<field>: rank 0: 4, rank 1: 2", ...]`` for every field whose value is not the same on
+    every rank of ``{rank: {field: value}}`` (a field a rank lacks reads ``(missing)``)."""
+    fields = sorted({f for run in by_rank.values() for f in run})
+    found = []
+    for field in fields:
+        groups: dict = {}
+        for rank in sorted(by_rank):
+            value = by_rank[rank].get(field, "(missing)")
+            groups.setdefault(repr(value), []).append(rank)
+        if len(groups) > 1:
+            found.append(f"{field}: " + ", ".join(f"{describe_ranks(ranks)}: {value}" for value, ranks in groups.items()))
+    return found
 
 
 _BITS = 62  # ranks per presence counter: one bit each, the sum stays inside a signed 64-bit integer

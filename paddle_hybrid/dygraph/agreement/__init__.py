@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import time
 
+from ...common.exchange import AgreementError, differences
 from ...registry.component import Component
 
 __all__ = ["COMPONENT", "AgreementError", "describe_run", "differences", "apply", "last_duration"]
@@ -33,10 +34,6 @@ _STRATEGY_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB")
 
 last_duration: list = []
 """Seconds each check of this process took (publish, wait, compare), newest last."""
-
-
-class AgreementError(RuntimeError):
-    """The ranks of a job started with settings that must be equal and are not."""
 
 
 def _plain(value):
@@ -67,25 +64,6 @@ def describe_run(config, strategy, model) -> dict:
             run[f"strategy.{name}"] = _plain(getattr(strategy, name))
     run["model"] = f"{type(model).__module__}.{type(model).__qualname__}"
     return run
-
-
-def _ranks_text(ranks: list) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def differences(by_rank: dict) -> list:
-    """``["<field>: rank 0: 4, rank 1: 2", ...]`` for every field whose value is not the same on
-    every rank (a field a rank lacks reads ``(missing)``)."""
-    fields = sorted({f for run in by_rank.values() for f in run})
-    found = []
-    for field in fields:
-        groups: dict = {}
-        for rank in sorted(by_rank):
-            value = by_rank[rank].get(field, "(missing)")
-            groups.setdefault(repr(value), []).append(rank)
-        if len(groups) > 1:
-            found.append(f"{field}: " + ", ".join(f"{_ranks_text(ranks)}: {value}" for value, ranks in groups.items()))
-    return found
 
 
 def check(config, strategy, model) -> None:

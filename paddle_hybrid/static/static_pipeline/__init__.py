@@ -23,7 +23,9 @@ _init_process_group``, which marks the calls)   ring (:mod:`.rings`); other call
 =============================================  ===============================================
 
 On CPU the executed copy of the section program has its ``send_v2``/``recv_v2`` lowered to
-point-to-point messages on the rings' gloo process groups (:mod:`.lowering`).
+point-to-point messages on the rings' gloo process groups (:mod:`.lowering`).  Before the first
+step the stages compare their pipeline settings through the job's store
+(:meth:`.runner.SectionRunner.describe`), within the pipeline's deadline.
 
 Device rule: the runner is device-independent (Paddle 3.3 lacks it on GPU too) but has only
 executed on CPU.  ``PluginConfig.static_pipeline`` (``PADDLE_HYBRID_STATIC_PIPELINE``) is an
@@ -46,8 +48,9 @@ _RUNNER_ATTR = "_ph_section_runner"
 
 # -- Executor.run ---------------------------------------------------------------------------
 
-def runner_for(program, place):
-    """The :class:`.runner.SectionRunner` of a fleet pipeline main program (one per program)."""
+def runner_for(program, place, deadline=(None, None)):
+    """The :class:`.runner.SectionRunner` of a fleet pipeline main program (one per program);
+    ``deadline``: ``(seconds, setting)`` of the stages' agreement when it is made."""
     from .runner import SectionRunner
 
     runner = program.__dict__.get(_RUNNER_ATTR)
@@ -55,7 +58,7 @@ def runner_for(program, place):
         import paddle
 
         lower = isinstance(place, paddle.CPUPlace) or not device.cuda_build()
-        runner = SectionRunner(program, place, lower=lower)
+        runner = SectionRunner(program, place, lower=lower, deadline=deadline)
         program.__dict__[_RUNNER_ATTR] = runner
     return runner
 
@@ -70,7 +73,7 @@ def _fetch_names(fetch_list):
     return [f.name if isinstance(f, framework.Variable) else str(f) for f in fetch_list]
 
 
-def _make_run(original):
+def _make_run(original, deadline):
     @functools.wraps(original)
     def run(self, program=None, feed=None, fetch_list=None, feed_var_name="feed", fetch_var_name="fetch",
             scope=None, return_numpy=True, use_program_cache=False, use_prune=False):
@@ -86,7 +89,7 @@ def _make_run(original):
                 raise NotImplementedError("paddle_hybrid.static.static_pipeline: return_numpy=False is not supported for "
                                           "pipeline programs (values are stacked per micro-batch).")
             scope = scope if scope is not None else paddle.static.global_scope()
-            return runner_for(program, self.place).run(scope, feed, _fetch_names(fetch_list))
+            return runner_for(program, self.place, deadline).run(scope, feed, _fetch_names(fetch_list))
         return original(self, program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
                         use_program_cache, use_prune)
 
@@ -164,7 +167,8 @@ def apply(config, patcher) -> None:
     patcher.on_revert(rings.close_all, "static_pipeline rings")
     patcher.on_revert(lowering.shutdown, "static_pipeline sender threads")
     patcher.on_revert(lambda: lowering.set_timeout(previous), "static_pipeline send timeout")
-    patcher.set(executor.Executor, "run", _make_run(executor.Executor.run))
+    deadline = (timeout, config.deadline_setting("static_pipeline_timeout"))
+    patcher.set(executor.Executor, "run", _make_run(executor.Executor.run, deadline))
     patcher.answer(pipeline_module, "core", CPU_PLACE_ANSWERS, when=_minimizing_without_cuda, why="PipelineOptimizer.minimize's place list")
     patcher.set(pipeline_module.PipelineOptimizer, "minimize", _make_minimize(pipeline_module.PipelineOptimizer.minimize))
     patcher.set(fleet_pipeline.PipelineOptimizer, "_init_process_group",

@@ -108,7 +108,8 @@ def _stage_of(main_program, name: str):
 class SectionRunner:
     """Runs steps of one pipeline ``main_program`` (fleet's, after ``minimize``) on this rank."""
 
-    def __init__(self, main_program, place, lower: bool):
+    def __init__(self, main_program, place, lower: bool, deadline: tuple = (None, None)):
+        """``deadline``: ``(seconds, setting)`` bounding the ranks' agreement (None: no agreement)."""
         opt = main_program._pipeline_opt
         self.main = main_program
         self.section = opt["section_program"]
@@ -121,6 +122,8 @@ class SectionRunner:
         self.lower = lower
         self._executors: dict = {}  # (scope, fetch names) -> (executor, sub-programs, computed, persistable)
         self._check_pure_pipeline()
+        if deadline[0] is not None:
+            self._agree(*deadline)
 
     def _check_pure_pipeline(self) -> None:
         import paddle.distributed as dist
@@ -130,6 +133,32 @@ class SectionRunner:
             raise NotImplementedError(
                 f"paddle_hybrid.static.static_pipeline: {world} ranks for {self.num_stages} pipeline stages; only pure "
                 "pipeline parallel (one rank per stage, no data parallel) is run by the plugin.")
+
+    def describe(self) -> dict:
+        """What every stage must run with alike, under the names of fleet's strategy."""
+        return {"pipeline_configs.accumulate_steps": self.num_microbatches,
+                "pipeline_configs.micro_batch_size": self.micro_batch_size,
+                "pipeline_configs.schedule_mode": self.schedule, "pipeline stages": self.num_stages}
+
+    def _agree(self, seconds: float, setting: str) -> None:
+        """Before the first step: every rank publishes :meth:`describe` in the job's store; a
+        difference stops every rank, naming the field and each rank's value.  Without it a
+        mismatch (``accumulate_steps`` 4 on one stage, 2 on the next) waits in a send or recv
+        until the deadline and ends in a timeout that does not name the cause."""
+        import paddle.distributed as dist
+
+        from ...common.exchange import AgreementError, differences, exchange
+
+        if dist.get_world_size() < 2:
+            return
+        by_rank = exchange(self.describe(), topic="static pipeline agreement",
+                           ranks=list(range(dist.get_world_size())), rank=dist.get_rank(), timeout=seconds,
+                           setting=setting)
+        found = differences(by_rank)
+        if found:
+            raise AgreementError(
+                "paddle_hybrid: the stages of the static pipeline disagree before the first step: " + "; ".join(found)
+                + ". Every rank must build its program with the same fleet strategy (pipeline_configs).")
 
     # -- building ---------------------------------------------------------------------------
     def _classify_fetches(self, names):

@@ -110,3 +110,17 @@ def test_uninstall_stops_the_sender_threads_and_forgets_the_rings():
         assert seen["after"]["threads"] == [] and seen["after"]["rings"] == [], (rank, seen)
         job_store = [("0.0.0.0", seen["job_store_port"])] if rank == 0 else []
         assert seen["before"]["listening"] == seen["after"]["listening"] == job_store, (rank, seen)
+
+
+def test_stages_with_different_accumulate_steps_stop_at_once_naming_the_field():
+    """Rank 1 builds its program with accumulate_steps 2, rank 0 with 4: before the first step
+    both stop, naming the field and each rank's value, within seconds under a 60 s deadline.
+    Seen failing first: rank 0 waited in its send until the deadline and ended in a timeout that
+    named no field."""
+    results = launch(os.path.join(HERE, "worker_pipeline.py"), nprocs=2, args=["--accumulate-on", "1:2"],
+                     timeout=240, env={"PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT": "60"})
+    for r in results:
+        error = r["agreement_error"]
+        assert error is not None and "the stages of the static pipeline disagree" in error, r
+        assert "pipeline_configs.accumulate_steps: rank 0: 4, rank 1: 2" in error, error
+        assert r["seconds"] < 10, r

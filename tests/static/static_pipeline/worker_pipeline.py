@@ -47,7 +47,7 @@ def _tanh(x):
     return out
 
 
-def build(stages, schedule, use_loader=True):
+def build(stages, schedule, use_loader=True, accumulate=ACCUMULATE):
     from paddle.distributed import fleet
 
     main, startup = paddle.static.Program(), paddle.static.Program()
@@ -72,7 +72,7 @@ def build(stages, schedule, use_loader=True):
             loss = paddle.mean((h - y) ** 2)
         strategy = fleet.DistributedStrategy()
         strategy.pipeline = True
-        strategy.pipeline_configs = {"micro_batch_size": MICRO_BATCH, "accumulate_steps": ACCUMULATE,
+        strategy.pipeline_configs = {"micro_batch_size": MICRO_BATCH, "accumulate_steps": accumulate,
                                      "schedule_mode": schedule}
         fleet.distributed_optimizer(paddle.optimizer.SGD(LR), strategy).minimize(loss)
     return main, startup, loader, loss
@@ -95,6 +95,9 @@ def main_():
     parser.add_argument("--last-stage-steps", type=int, default=None,
                         help="the last stage stops after this many steps (the others then must fail, not hang)")
     parser.add_argument("--feed", action="store_true", help="feed dicts (a step's micro-batches) instead of a DataLoader")
+    parser.add_argument("--accumulate-on", default=None, metavar="RANK:N",
+                        help="rank RANK builds its program with accumulate_steps N (the others 4); reports the "
+                             "agreement's error of the first step and the seconds it took")
     parser.add_argument("--uninstall-after", action="store_true",
                         help="after training, report the plugin's threads and listening sockets, uninstall, report again")
     args = parser.parse_args()
@@ -104,7 +107,13 @@ def main_():
     paddle.enable_static()
     with paddle.pir_utils.OldIrGuard():
         fleet.init(is_collective=True)
-        main, startup, loader, loss = build(args.stages, args.schedule, use_loader=not args.feed)
+        accumulate = ACCUMULATE
+        if args.accumulate_on:
+            odd_rank, odd_value = map(int, args.accumulate_on.split(":"))
+            if fleet.worker_index() == odd_rank:
+                accumulate = odd_value
+        main, startup, loader, loss = build(args.stages, args.schedule, use_loader=not args.feed,
+                                            accumulate=accumulate)
         section = main._pipeline_opt["section_program"]
         if args.drop_nop:
             drop_keepalives(section)
@@ -115,6 +124,9 @@ def main_():
         steps = args.steps
         if args.last_stage_steps is not None and stage == args.stages - 1:
             steps = args.last_stage_steps
+        if args.accumulate_on:
+            save_result(_first_step_error(exe, main, loss, loader, place, args.steps, stage))
+            return
         if args.feed:
             data = list(micro_batches(args.steps))
             losses = []
@@ -139,6 +151,24 @@ def main_():
     save_result({"stage": stage, "losses": losses, "params": params,
                  "checker": checked, "ph_nops": op_types.count(ops.NOP_OP), "leftovers": leftovers,
                  "sends": op_types.count("send_v2"), "send_wait_env": os.environ.get("PADDLE_HYBRID_PIPELINE_SEND_WAIT")})
+
+
+def _first_step_error(exe, main, loss, loader, place, steps, stage) -> dict:
+    import time
+
+    from paddle_hybrid.common.exchange import AgreementError
+
+    loader.set_batch_generator(lambda: micro_batches(steps), place)
+    loader.start()
+    started = time.perf_counter()
+    try:
+        exe.run(main, fetch_list=[loss])
+        error = None
+    except AgreementError as exc:
+        error = str(exc)
+    finally:
+        loader.reset()  # its reader thread must end before the process does
+    return {"stage": stage, "agreement_error": error, "seconds": time.perf_counter() - started}
 
 
 def _uninstall_and_look() -> dict:
