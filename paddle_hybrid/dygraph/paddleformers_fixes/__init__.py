@@ -8,6 +8,9 @@ fix                      what it mends (details in the module's docstring)
 :mod:`.flex_checkpoint_load`  the Trainer's flex-checkpoint resume: a parameter with no
                          optimizer state restarts its moments silently (now an error);
                          one process: ``'Fleet' object has no attribute '_hcg'``
+:mod:`.trainer_resume`   ``resume_from_checkpoint=True`` / ``"True"`` fails; a checkpoint
+                         cut by a death is loaded; a restarted job starts at step 1.  Now:
+                         the newest complete checkpoint, by itself after a restart
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
@@ -19,7 +22,9 @@ fixes are not made and a warning names the version and the switch.
 Why fixes and not flags: the first defect is an ``AttributeError`` raised before the first step,
 on GPU as on CPU, and its fix makes PaddleFormers' own line do what it says (record the global
 norm in the training logs); no number a training run computes changes.  The second turns a
-silently wrong resume into an error; a run that resumed correctly is unaffected.
+silently wrong resume into an error; a run that resumed correctly is unaffected.  The third adds
+two barriers and two marker files to each save, and resumes by itself only in a restart the
+launcher made.
 
 When: ``PluginConfig.paddleformers_fixes`` (``PADDLE_HYBRID_PADDLEFORMERS_FIXES``, default on),
 on any device.
@@ -53,10 +58,11 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
                       f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
                       f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
         return
-    from . import grad_norm_hook, flex_checkpoint_load
+    from . import grad_norm_hook, flex_checkpoint_load, trainer_resume
 
     grad_norm_hook.apply(patcher, trainer_module)
     flex_checkpoint_load.apply(patcher, trainer_module)
+    trainer_resume.apply(patcher, trainer_module)
 
 
 def apply(config, patcher: Patcher) -> str:

@@ -45,18 +45,22 @@ def _env():
     return env
 
 
-def run(work, name, nprocs, flags, model, env_extra=None, timeout=300):
-    """Run the example; return {rank: {step: loss}} (raise LaunchError with the log tail)."""
+def run(work, name, nprocs, flags, model, env_extra=None, timeout=300, script=SCRIPT, launcher_args=(),
+        output=None):
+    """Run the example; return {rank: {step: loss}} (raise LaunchError with the log tail).
+    ``output``: a list that gets the launcher's stdout + stderr."""
     out = os.path.join(work, name)
-    args = [SCRIPT, "--model_name_or_path", model, "--output_dir", out, *CPU_FLAGS, *STEPS, *flags]
+    args = [script, "--model_name_or_path", model, "--output_dir", out, *CPU_FLAGS, *STEPS, *flags]
     if nprocs == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "paddle_hybrid.launch", "--nproc_per_node", str(nprocs),
-               "--log_dir", out + ".log", *args]
+               "--log_dir", out + ".log", *launcher_args, *args]
     env = _env()
     env.update(env_extra or {})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if output is not None:
+        output.append(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-3000:]
         logs = ""
@@ -138,4 +142,43 @@ def test_fixes_are_listed_once_the_trainer_is_imported(work):
     before, after = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert before == []
     assert sorted(after) == sorted(["_wrap_distributed_optimizer", "init_optimizer", "init_optimizer",
-                                    "_load_flex_checkpoint", "get_hybrid_communicate_group"]), after
+                                    "_load_flex_checkpoint", "get_hybrid_communicate_group",
+                                    # trainer_resume: the Trainer's two methods, the function in both modules
+                                    "train", "_save_checkpoint", "get_last_checkpoint", "get_last_checkpoint"]), after
+
+
+DIES_ONCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_dies_once.py")
+
+
+def test_resume_true_on_a_fresh_output_dir_trains_from_the_start(work):
+    """``--resume_from_checkpoint True`` (the string the command line gives) with nothing saved
+    yet: a fresh start, every step as one process.  Seen failing first: "No valid checkpoint
+    found" (``trainer.py:1551``)."""
+    nprocs, flags = LAYOUTS["tp2"]
+    got = run(work["dir"], "tp2-resume-true", nprocs, [*flags, "--resume_from_checkpoint", "True"], work["model"])
+    assert_losses(got, work["reference"], [1, 2, 3, 4], "TP2, resume True, fresh")
+
+
+@pytest.mark.parametrize("how, resumed_from", [("step", 2), ("in-save", 2)])
+def test_a_killed_rank_restarts_and_the_trainer_resumes_from_the_newest_complete_checkpoint(work, how, resumed_from):
+    """TP2 under ``--max_restart 1``, the script unchanged: rank 1 SIGKILLed at the end of step 3
+    (``step``), or after writing its part of checkpoint-4 (``in-save``, so checkpoint-4 is cut).
+    The restarted Trainer resumes by itself from checkpoint-2 (the newest complete one; the cut one
+    is skipped with a line) and steps 3 and 4 give the uninterrupted run's losses.  Seen failing
+    first: the restart trained from step 1 (``in-save``: the same, and with
+    ``--resume_from_checkpoint True`` it loaded the cut checkpoint: "Found no metadata files")."""
+    nprocs, flags = LAYOUTS["tp2"]
+    die_at = 3 if how == "step" else 4
+    output = []
+    got = run(work["dir"], f"tp2-dies-{how}", nprocs, flags, work["model"], script=DIES_ONCE,
+              launcher_args=("--max_restart", "1"), output=output,
+              env_extra={"PH_TEST_DIE_AT": str(die_at), "PH_TEST_DIE_HOW": how})
+    text = output[0]
+    assert "restarting the job (restart 1 of 1" in text, text[-3000:]
+    logs = "".join(open(os.path.join(work["dir"], f"tp2-dies-{how}.log", f), errors="replace").read()
+                   for f in os.listdir(os.path.join(work["dir"], f"tp2-dies-{how}.log")) if f.startswith("workerlog"))
+    folder = os.path.join(work["dir"], f"tp2-dies-{how}")
+    assert f"restart 1: resuming from {os.path.join(folder, f'checkpoint-{resumed_from}')}" in logs, logs[-3000:]
+    if how == "in-save":
+        assert f"skipping {os.path.join(folder, 'checkpoint-4')}: incomplete" in logs, logs[-3000:]
+    assert_losses(got, work["reference"], [3, 4], f"TP2 killed ({how}) and restarted")
