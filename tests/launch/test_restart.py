@@ -1,7 +1,7 @@
 """``python -m paddle_hybrid.launch --max_restart N``: a job whose rank dies (an exit, a SIGKILL,
 a SIGKILL in the middle of a checkpoint) restarts as a whole and finishes with the numbers of an
 uninterrupted run, bitwise: the resumed steps redo the same arithmetic from the saved values
-(``resume_script.py``, fleet DP2, AdamW).  Restarts run out with the failure's code; without an
+(``paddle_hybrid/testing/resume_script.py``, fleet DP2, AdamW).  Restarts run out with the failure's code; without an
 explicit ``--max_restart`` nothing restarts (Paddle's default of 3 never did).  The loop's
 pieces are tested without processes.
 """
@@ -19,7 +19,7 @@ from paddle_hybrid.launch import restart
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SCRIPT = os.path.join(HERE, "resume_script.py")
+SCRIPT = os.path.join(ROOT, "paddle_hybrid", "testing", "resume_script.py")
 TIMEOUT = 300
 STEPS = 8
 

@@ -45,12 +45,14 @@ def _env():
     return env
 
 
-def run(work, name, nprocs, flags, model, env_extra=None, timeout=300, script=SCRIPT, launcher_args=(),
+def run(work, name, nprocs, flags, model, env_extra=None, timeout=300, wrapper=None, launcher_args=(),
         output=None):
-    """Run the example; return {rank: {step: loss}} (raise LaunchError with the log tail).
-    ``output``: a list that gets the launcher's stdout + stderr."""
+    """Run the example (through ``wrapper`` when given: ``wrapper.py EXAMPLE ARGS``); return
+    {rank: {step: loss}} (raise LaunchError with the log tail).  ``output``: a list that gets the
+    launcher's stdout + stderr."""
     out = os.path.join(work, name)
-    args = [script, "--model_name_or_path", model, "--output_dir", out, *CPU_FLAGS, *STEPS, *flags]
+    args = [*([wrapper] if wrapper else []), SCRIPT, "--model_name_or_path", model, "--output_dir", out,
+            *CPU_FLAGS, *STEPS, *flags]
     if nprocs == 1:
         cmd = [sys.executable, *args]
     else:
@@ -147,7 +149,7 @@ def test_fixes_are_listed_once_the_trainer_is_imported(work):
                                     "train", "_save_checkpoint", "get_last_checkpoint", "get_last_checkpoint"]), after
 
 
-DIES_ONCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_dies_once.py")
+DIES_ONCE = os.path.join(ROOT, "paddle_hybrid", "testing", "trainer_dies_once.py")
 
 
 def test_resume_true_on_a_fresh_output_dir_trains_from_the_start(work):
@@ -170,7 +172,7 @@ def test_a_killed_rank_restarts_and_the_trainer_resumes_from_the_newest_complete
     nprocs, flags = LAYOUTS["tp2"]
     die_at = 3 if how == "step" else 4
     output = []
-    got = run(work["dir"], f"tp2-dies-{how}", nprocs, flags, work["model"], script=DIES_ONCE,
+    got = run(work["dir"], f"tp2-dies-{how}", nprocs, flags, work["model"], wrapper=DIES_ONCE,
               launcher_args=("--max_restart", "1"), output=output,
               env_extra={"PH_TEST_DIE_AT": str(die_at), "PH_TEST_DIE_HOW": how})
     text = output[0]

@@ -1,21 +1,20 @@
-"""``examples/paddleformers_trainer.py`` unchanged, with one rank killed on the first attempt of a
+"""``trainer_dies_once.py EXAMPLE [its arguments]``: a Trainer script (the repository's
+``examples/paddleformers_trainer.py``) unchanged, with one rank killed on the first attempt of a
 job started by ``python -m paddle_hybrid.launch --max_restart``: the restart tests of
-``test_trainer.py``.
+``tests/dygraph/paddleformers_fixes/test_trainer.py`` and ``benchmarks/bench_restart.py``.
 
 ``PH_TEST_DIE_AT=S``: on the first attempt (``PADDLE_HYBRID_RESTART_COUNT`` 0) rank
 ``PH_TEST_DIE_RANK`` (default 1) is SIGKILLed at the end of step S (``PH_TEST_DIE_HOW=step``) or
 right after its own part of the checkpoint of step S is written, before the others finish and
-the checkpoint is marked complete (``PH_TEST_DIE_HOW=in-save``).  Everything else is the
-example's: its arguments, its progress files.
+the checkpoint is marked complete (``PH_TEST_DIE_HOW=in-save``).  Just before, it writes its
+wall clock to ``<output_dir>/death.json``.  Everything else is the script's: its arguments, its
+progress files.
 """
 import os
 import runpy
 import signal
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "examples",
-                       "paddleformers_trainer.py")
 
 
 def _dies_here(step) -> bool:
@@ -24,7 +23,12 @@ def _dies_here(step) -> bool:
             and int(step) == int(os.environ.get("PH_TEST_DIE_AT", "-1")))
 
 
-def _die(where):
+def _die(where, output_dir):
+    import json
+    import time
+
+    with open(os.path.join(output_dir, "death.json"), "w") as f:
+        json.dump({"time": time.time()}, f)
     print(f"trainer_dies_once: killed {where}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -40,7 +44,7 @@ def _install_death():
         def save_model(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
             if _dies_here(self.state.global_step):
-                _die(f"after writing its part of checkpoint-{self.state.global_step}")
+                _die(f"after writing its part of checkpoint-{self.state.global_step}", self.args.output_dir)
             return result
 
         trainer_class.save_model = save_model
@@ -50,7 +54,7 @@ def _install_death():
         class Killer(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 if _dies_here(state.global_step):
-                    _die(f"at the end of step {state.global_step}")
+                    _die(f"at the end of step {state.global_step}", args.output_dir)
 
         original_init = trainer_class.__init__
 
@@ -62,6 +66,10 @@ def _install_death():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: trainer_dies_once.py TRAINER_SCRIPT [its arguments]")
     _install_death()
-    sys.argv = [EXAMPLE, *sys.argv[1:]]
-    runpy.run_path(EXAMPLE, run_name="__main__")
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")

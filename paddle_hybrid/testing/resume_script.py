@@ -1,5 +1,6 @@
 """A user's fleet data-parallel script that checkpoints and resumes, with NO ``import
-paddle_hybrid``: run by the restart tests of ``python -m paddle_hybrid.launch --max_restart``.
+paddle_hybrid``: run by the restart tests of ``python -m paddle_hybrid.launch --max_restart``
+(``tests/launch/test_restart.py``) and by ``benchmarks/bench_restart.py``.
 
 The recipe of ``docs/launch.md``: every ``--save-every`` steps each rank writes its model and
 optimizer state into ``<ckpt>/step_<k>/``; after a barrier rank 0 writes ``COMPLETE`` there, last.
@@ -11,14 +12,16 @@ by a death during a save, is skipped with a line on stderr) and trains from step
 (SIGKILL, no Python unwinding) or ``in-save`` (SIGKILL after writing its own part of the
 checkpoint of step S, before ``COMPLETE``).  ``--die-every-attempt``: on every attempt.
 
-Every rank writes ``rank<N>.json`` into ``--out``: the loss of each step it ran (by step), the
-attempt, the step it resumed from, and its final parameters and optimizer state.
+Every rank writes ``rank<N>.json`` into ``--out``: the loss and the wall-clock end of each step
+it ran (by step), the attempt, the step it resumed from, and its final parameters and optimizer
+state.  The dying rank writes ``death.json`` (its wall clock just before it dies) first.
 """
 import argparse
 import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -57,7 +60,11 @@ def newest_complete(ckpt: str):
     return max(found) if found else (0, None)
 
 
-def _die(how):
+def _die(how, out):
+    import time
+
+    with open(os.path.join(out, "death.json"), "w") as f:
+        json.dump({"time": time.time()}, f)
     sys.stdout.flush()
     if how == "exit":
         sys.exit(3)
@@ -93,16 +100,17 @@ def main():
         opt.set_state_dict(paddle.load(os.path.join(folder, f"rank{rank}.pdopt")))
     dp_model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
-    losses = {}
+    losses, step_end = {}, {}
     for step in range(start, args.steps):
         if dies_here and step == args.die_at and rank == args.die_rank and args.die_how != "in-save":
-            _die(args.die_how)
+            _die(args.die_how, args.out)
         x, y = _batch(step, rank, nranks)
         loss = paddle.nn.functional.mse_loss(dp_model(x), y)
         loss.backward()
         opt.step()
         opt.clear_grad()
         losses[step] = float(loss)
+        step_end[str(step)] = time.time()
         done = step + 1
         if done % args.save_every == 0:
             folder = os.path.join(args.ckpt, f"step_{done}")
@@ -110,13 +118,13 @@ def main():
             paddle.save(model.state_dict(), os.path.join(folder, f"rank{rank}.pdparams"))
             paddle.save(opt.state_dict(), os.path.join(folder, f"rank{rank}.pdopt"))
             if dies_here and done == args.die_at and rank == args.die_rank and args.die_how == "in-save":
-                _die("kill")
+                _die("kill", args.out)
             dist.barrier()
             if rank == 0:
                 with open(os.path.join(folder, "COMPLETE"), "w") as f:
                     f.write("every rank wrote its part\n")
     state = {k: np.asarray(v.numpy()).tolist() for k, v in opt.state_dict().items() if hasattr(v, "numpy")}
-    result = {"attempt": attempt, "start": start, "losses": {str(k): v for k, v in losses.items()},
+    result = {"attempt": attempt, "start": start, "losses": {str(k): v for k, v in losses.items()}, "step_end": step_end,
               "params": {k: v.numpy().tolist() for k, v in model.state_dict().items()}, "opt": state}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
