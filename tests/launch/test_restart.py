@@ -140,3 +140,36 @@ def test_the_loop_passes_the_attempt_and_stops_at_success(tmp_path):
     assert rc == 0
     assert seen.read_text() == "03 13 23 "
     assert len(lines) == 3 and "restart 2 of 3" in lines[1] and "after 2 restarts" in lines[2], lines
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_restart_together(tmp_path, uninterrupted):
+    """Two launchers, one worker each, meeting at a TCP ``--master`` on loopback (a second node
+    simulated on this machine): the worker of one dies; each launcher restarts its own node, the
+    two meet again at the master, and the job ends as if uninterrupted."""
+    port = _free_port()
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
+    env.update({"PYTHONPATH": ROOT, "GLOG_minloglevel": "2", "OMP_NUM_THREADS": "1", "PADDLE_HYBRID_TIMEOUT": "60"})
+    procs = []
+    for node in ("a", "b"):
+        cmd = [sys.executable, "-m", "paddle_hybrid.launch", "--master", f"127.0.0.1:{port}", "--nnodes", "2",
+               "--nproc_per_node", "1", "--log_dir", str(tmp_path / f"log_{node}"), "--max_restart", "1", SCRIPT,
+               "--out", str(out), "--ckpt", str(ckpt), "--steps", str(STEPS), "--die-at", "5", "--die-rank", "1"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-3000:]
+        assert "restarting the job (restart 1 of 1" in text and "the job finished after 1 restart" in text, text[-3000:]
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(results) == [0, 1] and {r["start"] for r in results.values()} == {4}
+    _same_as_uninterrupted(results, uninterrupted, "two nodes, rank 1 killed at step 5")
