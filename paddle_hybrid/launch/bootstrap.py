@@ -85,13 +85,29 @@ def is_failure(exc: BaseException) -> bool:
     return not (isinstance(exc, SystemExit) and exc.code in (None, 0))
 
 
-def write_record(directory: str, pid: int, rank: int, when: float, reason: str, code: int | None = None) -> None:
+def waited_for(exc: BaseException) -> list:
+    """The global ranks a gloo timeout in ``exc`` or its causes waited for (the ``waited_for`` of
+    the plugin's ``GlooTimeoutError``, also when the script wrapped it in an error of its own)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        ranks = getattr(exc, "waited_for", None)
+        if ranks:
+            return [int(r) for r in ranks]
+        exc = exc.__cause__ or exc.__context__
+    return []
+
+
+def write_record(directory: str, pid: int, rank: int, when: float, reason: str, code: int | None = None,
+                 waited: list | None = None) -> None:
     """Write the failure record of process ``pid`` (atomically: temporary name, then rename);
-    ``code``: the status it is about to exit with, if known."""
+    ``code``: the status it is about to exit with, if known; ``waited``: the ranks a timeout
+    waited for."""
     path = os.path.join(directory, f"{pid}.json")
     partial = path + ".partial"
     with open(partial, "w") as f:
-        json.dump({"pid": pid, "rank": rank, "time": when, "reason": reason, "code": code}, f)
+        json.dump({"pid": pid, "rank": rank, "time": when, "reason": reason, "code": code,
+                   "waited_for": list(waited or [])}, f)
     os.replace(partial, path)
 
 
@@ -120,7 +136,7 @@ def _record_failure(exc: BaseException, when: float) -> None:
         return
     try:
         rank = int(os.environ.get("PADDLE_TRAINER_ID", "-1"))
-        write_record(directory, os.getpid(), rank, when, one_line_reason(exc), exit_status(exc))
+        write_record(directory, os.getpid(), rank, when, one_line_reason(exc), exit_status(exc), waited_for(exc))
     except Exception:  # noqa: BLE001  (a record is a courtesy; the script's own error matters)
         pass
 

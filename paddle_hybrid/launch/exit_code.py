@@ -117,6 +117,7 @@ class WorkerEnd:
     reason: str | None = None
     log: str | None = None
     log_offset: int = 0
+    waited: list = dataclasses.field(default_factory=list)  # ranks its timeout waited for (its record)
 
     @property
     def time(self) -> float | None:
@@ -159,7 +160,7 @@ def root_cause(ends: list[WorkerEnd], hung: dict | None = None) -> RootCause | N
 
     own.sort(key=order)
     first = own[0]
-    stuck = [r for r in waited_for(first.reason) if r in (hung or {})]
+    stuck = [r for r in (first.waited or waited_for(first.reason)) if r in (hung or {})]
     if stuck:
         end = hung[stuck[0]]
         reason = (f"hung: still running when rank {first.rank} timed out waiting for it; its Python stack is at the "
@@ -254,7 +255,8 @@ def worker_ends(pod, records: dict) -> list[WorkerEnd]:
         end = WorkerEnd(index=index, rank=_global_rank(container, index), code=code, own=False,
                         exit_time=state.exit_times.get(id(container)), record_time=record.get("time"),
                         reason=record.get("reason"), log=getattr(container, "outfile", None),
-                        log_offset=getattr(container, "_log_start_offset", 0) or 0)
+                        log_offset=getattr(container, "_log_start_offset", 0) or 0,
+                        waited=list(record.get("waited_for") or []))
         if code not in (0, None):
             end.own = (state.stopped_at is None
                        or any(c is container for c in state.failed_at_stop)
@@ -351,7 +353,7 @@ def dump_stacks_of_the_waited_for(pod, records: dict) -> list[int]:
     for container in pod.containers:
         record = records.get(getattr(_process(container), "pid", None)) or {}
         if container.exit_code not in (0, None):
-            waited.update(waited_for(record.get("reason")))
+            waited.update(record.get("waited_for") or waited_for(record.get("reason")))
     asked = []
     for index, container in enumerate(pod.containers):
         popen = _process(container)

@@ -9,7 +9,8 @@ by a death during a save, is skipped with a line on stderr) and trains from step
 
 ``--die-at S``: on the first attempt only (``PADDLE_HYBRID_RESTART_COUNT`` unset or 0), rank
 ``--die-rank`` dies at the start of step S: ``--die-how exit`` (``sys.exit(3)``), ``kill``
-(SIGKILL, no Python unwinding) or ``in-save`` (SIGKILL after writing its own part of the
+(SIGKILL, no Python unwinding), ``hang`` (sleeps for ever in ``_stuck_forever``: its peers time
+out at ``PADDLE_HYBRID_TIMEOUT``) or ``in-save`` (SIGKILL after writing its own part of the
 checkpoint of step S, before ``COMPLETE``).  ``--die-every-attempt``: on every attempt.
 
 Every rank writes ``rank<N>.json`` into ``--out``: the loss and the wall-clock end of each step
@@ -60,14 +61,19 @@ def newest_complete(ckpt: str):
     return max(found) if found else (0, None)
 
 
-def _die(how, out):
-    import time
+def _stuck_forever():
+    while True:
+        time.sleep(60)
 
+
+def _die(how, out):
     with open(os.path.join(out, "death.json"), "w") as f:
         json.dump({"time": time.time()}, f)
     sys.stdout.flush()
     if how == "exit":
         sys.exit(3)
+    if how == "hang":
+        _stuck_forever()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -79,7 +85,7 @@ def main():
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--die-rank", type=int, default=1)
-    parser.add_argument("--die-how", choices=("exit", "kill", "in-save"), default="kill")
+    parser.add_argument("--die-how", choices=("exit", "kill", "hang", "in-save"), default="kill")
     parser.add_argument("--die-every-attempt", action="store_true")
     args = parser.parse_args()
 

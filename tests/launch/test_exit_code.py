@@ -390,3 +390,18 @@ def test_a_worker_stopped_while_exiting_after_its_own_failure_keeps_its_recorded
                                          (SystemExit(None), 0), (KeyboardInterrupt(), None)])
 def test_the_bootstrap_knows_the_status_an_exception_exits_with(exc, status):
     assert bootstrap.exit_status(exc) == status
+
+
+def test_the_bootstrap_finds_the_ranks_a_wrapped_timeout_waited_for():
+    """A script that wraps the plugin's timeout in its own error: the record still has the ranks."""
+    class Timeout(RuntimeError):
+        waited_for = [3]
+
+    try:
+        try:
+            raise Timeout("gloo")
+        except Timeout as inner:
+            raise ValueError("step failed") from inner
+    except ValueError as exc:
+        assert bootstrap.waited_for(exc) == [3]
+    assert bootstrap.waited_for(RuntimeError("x")) == []

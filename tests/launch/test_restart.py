@@ -24,13 +24,15 @@ TIMEOUT = 300
 STEPS = 8
 
 
-def _run(tmp_path, name, *script_args, launcher_args=("--max_restart", "1")):
-    """Run the job in ``tmp_path/name``; returns (exit code, {rank: result}, stderr, log_dir)."""
+def _run(tmp_path, name, *script_args, launcher_args=("--max_restart", "1"), deadline=60):
+    """Run the job in ``tmp_path/name`` (``PADDLE_HYBRID_TIMEOUT=deadline``); returns (exit code,
+    {rank: result}, stderr, log_dir)."""
     work = tmp_path / name
     out, ckpt, log_dir = work / "out", work / "ckpt", work / "log"
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
-    env.update({"PYTHONPATH": ROOT, "GLOG_minloglevel": "2", "OMP_NUM_THREADS": "1", "PADDLE_HYBRID_TIMEOUT": "60"})
+    env.update({"PYTHONPATH": ROOT, "GLOG_minloglevel": "2", "OMP_NUM_THREADS": "1",
+                "PADDLE_HYBRID_TIMEOUT": str(deadline)})
     cmd = [sys.executable, "-m", "paddle_hybrid.launch", "--nproc_per_node", "2", "--log_dir", str(log_dir),
            *launcher_args, SCRIPT, "--out", str(out), "--ckpt", str(ckpt), "--steps", str(STEPS),
            *map(str, script_args)]
@@ -73,6 +75,19 @@ def test_a_rank_that_dies_restarts_the_job_which_ends_as_if_uninterrupted(tmp_pa
     assert {r["start"] for r in results.values()} == {die_at // 2 * 2}, msg  # the newest complete checkpoint
     assert (log_dir / "attempt_0" / "workerlog.1").exists(), sorted(p.name for p in log_dir.iterdir())
     _same_as_uninterrupted(results, uninterrupted, msg)
+
+
+def test_a_hung_rank_is_named_with_its_stack_and_the_job_restarts(tmp_path, uninterrupted):
+    """Rank 1 sleeps for ever at step 5 (first attempt); rank 0's gradient all_reduce times out at
+    PADDLE_HYBRID_TIMEOUT=5 s naming it; the launcher names rank 1 as hung, with its stack, and
+    the restarted job ends as if uninterrupted."""
+    code, results, err, _ = _run(tmp_path, "job", "--die-at", 5, "--die-how", "hang", deadline=5)
+    assert code == 0, err[-4000:]
+    assert "root cause: rank 1 hung; the job exits with code 1" in err, err[-4000:]
+    assert "in _stuck_forever" in err, err[-4000:]
+    assert "restarting the job (restart 1 of 1" in err, err[-3000:]
+    assert {r["start"] for r in results.values()} == {4}
+    _same_as_uninterrupted(results, uninterrupted, "rank 1 hung at step 5")
 
 
 def test_a_death_during_a_save_resumes_from_the_checkpoint_before(tmp_path, uninterrupted):
