@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -39,20 +38,12 @@ DIES_ONCE = os.path.join(ROOT, "paddle_hybrid", "testing", "trainer_dies_once.py
 TRAINER = os.path.join(ROOT, "examples", "paddleformers_trainer.py")
 CPU_FLAGS = ["--device", "cpu", "--bf16", "false", "--fp16", "false", "--amp_master_grad", "false",
              "--split_param", "false", "--report_to", "none"]
+sys.path.insert(0, HERE)
+from bench_launch_root_cause import _cpu  # noqa: E402  (the CPU's model name, as that benchmark reports it)
+
 TRAINER_ARGS = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--logging_steps", "1",
                 "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2",
                 "--tensor_model_parallel_size", "2"]
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _env(extra=None) -> dict:
