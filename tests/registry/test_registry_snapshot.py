@@ -23,7 +23,9 @@ the ones the restructure made on purpose, each named here:
 7. the cpu component's new concern ``gloo_errors`` (issue 25: a gloo timeout names the rank waited
    for and the setting) wraps the communication methods of ``core.ProcessGroupGloo``;
 8. the cpu component's concern ``tcp_store`` (the job's store without Nagle's delay) wraps
-   ``core.create_or_get_global_tcp_store``.
+   ``core.create_or_get_global_tcp_store``;
+9. fleet_fixes' new fix ``process_mesh_numpy2`` (``ProcessMesh`` under NumPy 2) wraps
+   ``ProcessMesh.get_rank_by_dim_and_process_id``.
 """
 import json
 import os
@@ -107,6 +109,9 @@ def _expected_patches(case, before_case, forced_on_now):
                      for op in gloo_errors.OPERATIONS if hasattr(core.ProcessGroupGloo, op)}
         expected.add(("cpu", "paddle.base.libpaddle", "create_or_get_global_tcp_store",  # change 8
                       "PyCapsule.create_or_get_global_tcp_store", "PyCapsule.create_or_get_global_tcp_store"))
+    if "fleet_fixes" in active:  # change 9
+        expected.add(("fleet_fixes", "ProcessMesh", "get_rank_by_dim_and_process_id",
+                      "ProcessMesh.get_rank_by_dim_and_process_id", "ProcessMesh.get_rank_by_dim_and_process_id"))
     return expected
 
 

@@ -1,4 +1,4 @@
-"""Fixes of fleet defects that give wrong numbers on every device (GPU included).
+"""Fixes of fleet defects that give wrong numbers, or stop, on every device (GPU included).
 
 ============================  ===============================================
 fix                           what it fixes (details in the module docstring)
@@ -19,6 +19,8 @@ fix                           what it fixes (details in the module docstring)
 :mod:`.tied_optimizer_state`  flex checkpoints: a tied weight's optimizer
                               state saved under one name, looked up under
                               another, restarts from zero with a warning
+:mod:`.process_mesh_numpy2`   ``ProcessMesh.get_rank_by_dim_and_process_id``
+                              (``shard_dataloader``) stops under NumPy 2
 ============================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -32,7 +34,7 @@ from ...registry.patching import Patcher, PatchSignatureError
 __all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
 
 FIXES = ["shared_weight_norm", "no_pipeline_dp", "sharding_v2_grads", "stage3_param_groups", "moe_scatter_grad",
-         "moe_empty_experts", "tied_optimizer_state"]
+         "moe_empty_experts", "tied_optimizer_state", "process_mesh_numpy2"]
 
 
 def apply(config, patcher: Patcher) -> None:
