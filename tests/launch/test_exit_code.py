@@ -405,3 +405,20 @@ def test_the_bootstrap_finds_the_ranks_a_wrapped_timeout_waited_for():
     except ValueError as exc:
         assert bootstrap.waited_for(exc) == [3]
     assert bootstrap.waited_for(RuntimeError("x")) == []
+
+
+def test_a_timeout_waiting_for_a_rank_still_running_names_that_rank_as_hung():
+    """The rule without processes: rank 0 timed out waiting for rank 1, which was still running at
+    the stop: rank 1 is the root cause (hung), with rank 0's code; not when rank 1 had ended."""
+    waiting = ec.WorkerEnd(index=0, rank=0, code=1, own=True, record_time=T0, waited=[1],
+                           reason="GlooTimeoutError: ... timed out after 5 s (PADDLE_HYBRID_TIMEOUT) waiting for rank 1")
+    running = ec.WorkerEnd(index=1, rank=1, code=-15, own=False, log="workerlog.1")
+    cause = ec.root_cause([waiting, running], hung={1: running})
+    assert (cause.rank, cause.code, cause.hung, cause.log) == (1, 1, True, "workerlog.1")
+    assert "still running when rank 0 timed out waiting for it" in cause.reason
+    assert cause.also_failed == [waiting]
+    assert "root cause: rank 1 hung; the job exits with code 1" in ec.format_root_cause(cause)
+    plain = ec.root_cause([waiting, running], hung={})
+    assert (plain.rank, plain.hung) == (0, False)
+    # the ranks from the reason's words when the record has none
+    assert ec.waited_for("x timed out after 2 s (S) waiting for ranks [2, 3]: no sign") == [2, 3]
