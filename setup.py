@@ -9,7 +9,7 @@ importable while building, so install with::
 
 The shared library lands at ``paddle_hybrid/_custom_ops.so`` and is loaded once
 by ``paddle_hybrid.ops``.  A second, small extension, ``paddle_hybrid/_prefix_store.so``
-(``custom_ops/prefix_store.cc``, loaded by ``paddle_hybrid.common.prefix_store``), is a
+(``custom_ops/prefix_store.cc``, loaded by ``paddle_hybrid.gloo.prefix_store``), is a
 Python module built against Paddle's pybind11 with libpaddle's pybind11 internals id, so the
 stores it makes pass to Paddle as Paddle's own ``Store``.  Every build compiles from scratch (``force``): the
 library belongs to the Paddle it was compiled against, and setuptools' "up to

@@ -59,7 +59,7 @@ def child(plugin: bool, m: int, k: int, n: int, reps: int) -> dict:
     out = {"gflops_cpu": flop / min(cpu) / 1e9, "gflops_wall": flop / min(wall) / 1e9,
            "variable": os.environ.get(VARIABLE)}
     if plugin:
-        state = paddle_hybrid.registry.install.component_state("cpu_blas")
+        state = paddle_hybrid.catalog.install.component_state("cpu_blas")
         out["component"] = f"{state.status}: {state.reason}"
     return out
 

@@ -7,7 +7,7 @@ jobs at once, one per arm, so both see the same load (2 jobs x 4 ranks on the ma
 like CI running two Paddle versions side by side):
 
 * ``default``: what a user gets: the plugin's ``cpu`` component sets
-  ``FLAGS_tcp_store_using_libuv`` False (``paddle_hybrid/dygraph/cpu/tcp_store.py``);
+  ``FLAGS_tcp_store_using_libuv`` False (``paddle_hybrid/gloo/tcp_store.py``);
 * ``libuv``: ``FLAGS_tcp_store_using_libuv=1`` in the environment (the plugin keeps a user's
   setting): Paddle's default store.
 

@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 import paddle  # noqa: E402
 
 import paddle_hybrid  # noqa: E402,F401
-from paddle_hybrid.common.program_edit import count_syncs  # noqa: E402
+from paddle_hybrid.testing.sync_count import count_syncs  # noqa: E402
 from paddle_hybrid.static.send_wait import check_send_lifetimes  # noqa: E402
 from paddle_hybrid.static.send_wait import rewrite as pass_module  # noqa: E402
 from paddle_hybrid.testing.static_programs import build_pipeline_program, program_signature  # noqa: E402

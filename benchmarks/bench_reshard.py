@@ -35,7 +35,7 @@ from paddle.base import framework  # noqa: E402
 import paddle_hybrid  # noqa: E402
 from paddle_hybrid import PluginConfig  # noqa: E402
 from paddle_hybrid.static.reshard import deferred as reshard_patch  # noqa: E402
-from paddle_hybrid.common.program_edit import count_syncs  # noqa: E402
+from paddle_hybrid.testing.sync_count import count_syncs  # noqa: E402
 from paddle_hybrid.testing.static_programs import (  # noqa: E402
     build_auto_parallel_program,
     dist_signature,

@@ -2,7 +2,7 @@
 gloo groups, each rendezvousing on the store) and ``fleet.distributed_model`` of a 2-stage
 pipeline model on 2 gloo ranks, measured side by side in one run in three configurations: the
 default; the agreement off
-(``PADDLE_HYBRID_STARTUP_AGREEMENT=0``); the store with Nagle's delay as Paddle makes it
+(``PADDLE_HYBRID_AGREEMENT=0``); the store with Nagle's delay as Paddle makes it
 (``PADDLE_HYBRID_STORE_NODELAY=0``).
 
 Per run and rank: the seconds ``fleet.init`` and ``distributed_model`` took, and the agreement's
@@ -65,7 +65,7 @@ def main() -> None:
     from paddle_hybrid.testing import launch
 
     arms = {"default": {},
-            "agreement off": {"PADDLE_HYBRID_STARTUP_AGREEMENT": "0"},
+            "agreement off": {"PADDLE_HYBRID_AGREEMENT": "0"},
             "store with Nagle's delay": {"PADDLE_HYBRID_STORE_NODELAY": "0"}}
     runs = {label: [] for label in arms}
     for _ in range(args.runs):

@@ -10,7 +10,7 @@ program that trains, and the script checks the rewritten program's send lifetime
 
     python -m paddle.distributed.launch --nproc_per_node 2 examples/static_pipeline.py
     python -m paddle.distributed.launch --nproc_per_node 3 examples/static_pipeline.py --stages 3 --schedule F-then-B
-    PADDLE_HYBRID_PIPELINE_SEND_WAIT=0 python -m paddle.distributed.launch --nproc_per_node 2 examples/static_pipeline.py
+    PADDLE_HYBRID_SEND_WAIT=0 python -m paddle.distributed.launch --nproc_per_node 2 examples/static_pipeline.py
     python examples/static_pipeline.py --stages 1      # the same model and data, one process, no pipeline
 
 The model: the ``--context`` previous characters, embedded and concatenated, then ``--layers``
@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "stages": args.stages, "losses": losses, "send_lifetimes_checked": checked,
-                       "send_wait": os.environ.get("PADDLE_HYBRID_PIPELINE_SEND_WAIT")}, f)
+                       "send_wait": os.environ.get("PADDLE_HYBRID_SEND_WAIT")}, f)
         np.savez(os.path.join(args.out_dir, f"rank{rank}_params.npz"), **result["params"])
     if os.environ.get("PADDLE_HYBRID_RESULT_DIR"):  # run by paddle_hybrid.testing.launch (the tests)
         from paddle_hybrid.testing import save_result

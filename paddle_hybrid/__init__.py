@@ -1,17 +1,22 @@
 """paddle_hybrid: faster, easier hybrid-parallel training for PaddlePaddle fleet.
 
 ``import paddle_hybrid`` before ``fleet.init`` loads the plugin's custom ops and installs its
-components once (see :mod:`paddle_hybrid.registry`); :func:`uninstall` undoes them.
+components once (listed in :mod:`paddle_hybrid.catalog`, each declared with
+:mod:`paddle_hybrid.registry`); :func:`uninstall` undoes them.  Import paths that moved keep
+working with a ``DeprecationWarning`` (:mod:`paddle_hybrid._moved`).
 """
-from .registry import env_at_start  # noqa: F401  (first: records the environment before Paddle changes it)
+from .launch import env_at_start  # noqa: F401  (first: records the environment before Paddle changes it)
+from . import _moved
 from . import ops
 from .config import PluginConfig
 from .dygraph import timeline
 from .dygraph.cuda_graph import CUDAGraphedLayer, GraphPool
 from .dygraph.grad_buckets import BucketLayoutError, GradBuckets, GradSyncError
-from .registry.install import (InstallError, current_config, install, install_component, installed_components,
+from .catalog.install import (InstallError, current_config, install, install_component, installed_components,
                                patches, report, uninstall, uninstall_component)
 from .static import fused_allreduce, send_wait
+
+_moved.install_finder()
 
 __version__ = "0.1.0"
 

@@ -13,17 +13,20 @@ through :func:`op_role` (the one helper for the ``op_role`` attribute).
 Precondition: the Python side of a block matches its C++ desc on entry (true
 unless something edited the desc directly).  If the op counts differ on entry
 the block is synced once first, so edits by index stay correct.
+
+Counting the syncs (for tests and benchmarks) is :mod:`paddle_hybrid.testing.sync_count`'s
+``count_syncs``; the old name ``program_edit.count_syncs`` (and ``SyncCount``) still resolves
+to it, with a ``DeprecationWarning``.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections import Counter
 from typing import Iterator
 
 from paddle.base import core, framework
 
-__all__ = ["deferred_sync", "count_syncs", "SyncCount", "op_role", "OpRole", "OP_ROLE_KEY", "OP_DEVICE_KEY"]
+__all__ = ["deferred_sync", "op_role", "OpRole", "OP_ROLE_KEY", "OP_DEVICE_KEY"]
 
 OpRole = core.op_proto_and_checker_maker.OpRole
 """Paddle's op roles (``Forward`` 0, ``Backward`` 1, ``Optimize`` 2, ``LRSched`` 16, ``Loss`` 256 ...);
@@ -110,26 +113,14 @@ def deferred_sync(target) -> Iterator[list]:
             raise errors[0]
 
 
-class SyncCount(Counter):
-    """Calls of ``Block._sync_with_cpp`` per block idx, and ``total``."""
-
-    @property
-    def total(self) -> int:
-        return sum(self.values())
+_MOVED_TO_TESTING = ("count_syncs", "SyncCount")
 
 
-@contextlib.contextmanager
-def count_syncs() -> Iterator[SyncCount]:
-    """Count real ``Block._sync_with_cpp`` calls (for tests and benchmarks)."""
-    counts = SyncCount()
-    original = framework.Block._sync_with_cpp
+def __getattr__(name):
+    """``count_syncs`` and ``SyncCount`` moved to :mod:`paddle_hybrid.testing.sync_count`: the old
+    names still resolve to the same objects, with a ``DeprecationWarning``."""
+    if name in _MOVED_TO_TESTING:  # through the package's table of moved names: no import upward from here
+        from .. import _moved
 
-    def counting(self):
-        counts[self.idx] += 1
-        return original(self)
-
-    framework.Block._sync_with_cpp = counting
-    try:
-        yield counts
-    finally:
-        framework.Block._sync_with_cpp = original
+        return _moved.moved_attribute(__name__, name, "paddle_hybrid.testing.sync_count")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -99,27 +99,25 @@ def apply(config, patcher) -> str:
 
 
 def _worker_decision(environ, config) -> Decision:
-    """The component's decision for a new process started with ``environ``; a value set by this
-    plugin in this process does not count as the user's."""
-    from ..config import PluginConfig
-
-    config = config or COMPONENT.config or PluginConfig.from_env()
-    if not config.cpu_blas_vendor_fix:
+    """The component's decision, under ``config``, for a new process started with ``environ``; a
+    value set by this plugin in this process does not count as the user's."""
+    if not config.cpu_blas:
         return Decision(None, "off (PADDLE_HYBRID_CPU_BLAS=0)")
     return decide(machine.gather(os.environ if environ is None else environ, _own_value))
 
 
-def worker_environment(environ=None, config=None) -> dict[str, str]:
-    """What a new process (a launched worker) should get: ``{VARIABLE: VALUE}`` or ``{}``."""
+def worker_environment(environ=None, *, config) -> dict[str, str]:
+    """What a new process (a launched worker) should get under ``config``: ``{VARIABLE: VALUE}``
+    or ``{}``."""
     decision = _worker_decision(environ, config)
     return {VARIABLE: decision.set_value} if decision.set_value else {}
 
 
-def shell_export(environ=None, config=None) -> tuple[str, str]:
-    """``(shell line or "", reason)`` for ``scripts/env.sh``."""
+def shell_export(environ=None, *, config) -> tuple[str, str]:
+    """``(shell line or "", reason)`` for ``scripts/env.sh``, under ``config``."""
     decision = _worker_decision(environ, config)
     return (f"export {VARIABLE}={decision.set_value}\n" if decision.set_value else ""), decision.reason
 
 
 # Reads no Paddle API, only the MKL file of Paddle's wheel; both versions bundle MKL 2019.0.5.
-COMPONENT = Component("cpu_blas", ("3.2.", "3.3."), "cpu_blas_vendor_fix", apply, not_wanted=not_wanted)
+COMPONENT = Component("cpu_blas", ("3.2.", "3.3."), "cpu_blas", apply, not_wanted=not_wanted)

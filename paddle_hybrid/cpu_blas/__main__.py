@@ -13,12 +13,13 @@ import argparse
 import os
 import sys
 
+from ..config import PluginConfig
 from . import _worker_decision, machine, shell_export
 from .paths import alternate_path, describe_cpu_type, shell_lines
 
 
 def _alternate() -> int:
-    decision = _worker_decision(None, None)
+    decision = _worker_decision(None, PluginConfig.from_env())  # a command: its config is the environment's
     path = alternate_path(machine.read_cpu()[0], machine.read_flags(), decision)
     if path is None:
         print("[paddle_hybrid] cpu_blas: no second MKL code path is known for this CPU; one path only",
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
         return _alternate()
     if args.which:
         return _which()
-    line, reason = shell_export()
+    line, reason = shell_export(config=PluginConfig.from_env())
     sys.stdout.write(line)
     print(f"[paddle_hybrid] cpu_blas: {reason}", file=sys.stderr)
     return 0

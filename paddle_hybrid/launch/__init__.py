@@ -20,7 +20,7 @@ Also, before Paddle's launcher starts:
 * ``OMP_NUM_THREADS`` = usable cores // processes per node (at least 1), unless the user set
   it: ``import paddle`` sets it to 1 when unset, so under Paddle's launcher every worker of a
   machine with more cores than workers uses one core for its kernels.  Whether the user set it
-  is read before Paddle is imported (:mod:`paddle_hybrid.registry.env_at_start`);
+  is read before Paddle is imported (:mod:`paddle_hybrid.launch.env_at_start`);
 * ``MKL_DEBUG_CPU_TYPE=5`` when :mod:`paddle_hybrid.cpu_blas` decides so for this machine (an
   AMD CPU and a Paddle MKL that honours it) and the user has not set it: in the worker's
   environment from its start, it works even if the script runs a matmul before any import.
@@ -123,16 +123,19 @@ def launch_environment(args, environ) -> dict[str, str]:
     out = {}
     if "OMP_NUM_THREADS" not in environ:
         out["OMP_NUM_THREADS"] = str(omp_threads(usable_cores(), processes_per_node(args, environ)))
+    from ..catalog.install import current_config
+    from ..config import PluginConfig
     from ..cpu_blas import worker_environment
 
-    for key, value in worker_environment(environ).items():
+    config = current_config() or PluginConfig.from_env()  # the launcher's own process: the plugin as installed
+    for key, value in worker_environment(environ, config=config).items():
         out.setdefault(key, value)
     return out
 
 
 def environ_as_the_user_set_it() -> dict[str, str]:
     """``os.environ`` without the ``OMP_NUM_THREADS=1`` that ``import paddle`` adds when the
-    user has not set it (see :mod:`paddle_hybrid.registry.env_at_start`)."""
+    user has not set it (see :mod:`paddle_hybrid.launch.env_at_start`)."""
     from ..registry import env_at_start as _env_at_start
 
     environ = dict(os.environ)

@@ -18,7 +18,7 @@ own (the user pressed Ctrl-C, a peer node failed), Paddle's rule stands and noth
 **A rank that hung.**  A worker that does not fail but stops (a deadlock, an endless loop, a
 wait on something that never comes) is found by its peers: their next collective times out at
 ``PADDLE_HYBRID_TIMEOUT`` and its ``GlooTimeoutError`` names the rank it waited for
-(:mod:`paddle_hybrid.dygraph.cpu.gloo_errors`).  When the first failure is such a timeout and the
+(:mod:`paddle_hybrid.gloo.errors`).  When the first failure is such a timeout and the
 rank it waited for is still running when the launcher begins to stop the pod, that rank is the
 root cause ("rank 1 hung; the job exits with code 1"), not the peer that timed out.  Before the
 stop the launcher sends it ``SIGUSR2``, on which the bootstrap's :mod:`faulthandler` writes every

@@ -6,7 +6,7 @@ and for a path inside one (a meta optimizer's ``_can_apply``, the CUDA-graph bac
 A field is one of four kinds:
 
 * a **switch** (``bool``): on unless False;
-* **auto / on / off** (:data:`GATED` kind ``"auto_on_off"``): code written and run for CPU over
+* **auto / on / off** (kind ``"auto_on_off"``): code written and run for CPU over
   gloo.  ``"auto"`` is on on a build with no accelerator and off on a CUDA, XPU or custom-device
   build (it never ran there) unless ``allow_unrun``; ``"on"`` everywhere (each replacement still
   hands non-gloo groups and device tensors to Paddle); ``"off"`` never;
@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..config import ENVIRONMENT, fields_of_kind, kind_of
 from . import device
 
-__all__ = ["GatedPath", "GATED", "Decision", "decide", "describe", "off_switch", "opt_in_hint"]
+__all__ = ["GatedPath", "GATED", "GATED_KINDS", "Decision", "decide", "describe", "off_switch", "opt_in_hint"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +41,11 @@ class GatedPath:
     """``"unrun"`` (tri-state), ``"auto_on_off"`` or ``"opt_in"``."""
 
 
-GATED: dict[str, GatedPath] = {p.field: p for p in (
-    GatedPath("pipeline_send_wait", "unrun"),  # removes c_sync_comm_stream ops from static pipeline programs
-    GatedPath("static_fuse_allreduce", "unrun"),  # replaces RawProgramOptimizer: NCCL/BKCL all_reduce of fused buffers
-    GatedPath("grad_buckets", "unrun"),  # replaces Paddle's dygraph data-parallel gradient sync
-    GatedPath("pipeline_cudagraph", "unrun"),  # PipelineLayer(use_cudagraph=True) with the plugin's CUDA graphs
-    GatedPath("cpu_hybrid", "auto_on_off"),  # the CPU/gloo emulations of fleet's hybrid parallel
-    GatedPath("expert_parallel", "auto_on_off"),  # the gloo all-to-all and CPU routing kernels
-    GatedPath("static_pipeline", "auto_on_off"),  # the section-program runner, executed on CPU over gloo only
-    GatedPath("auto_parallel_cpu", "auto_on_off"),  # the CPU answers of the legacy auto-parallel Engine
-    GatedPath("cuda_malloc_async", "opt_in"),  # FLAGS_use_cuda_malloc_async_allocator set at import
-)}
+GATED_KINDS = ("unrun", "auto_on_off", "opt_in")
+
+# Read from the fields' declarations (paddle_hybrid.config.setting): what each path is, is said
+# under its field.
+GATED: dict[str, GatedPath] = {name: GatedPath(name, kind_of(name)) for name in fields_of_kind(*GATED_KINDS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +56,6 @@ class Decision:
 
 
 def _env(field: str) -> str:
-    from ..config import ENVIRONMENT
-
     return ENVIRONMENT[field]
 
 

@@ -5,8 +5,7 @@
 * :mod:`.static_programs`: static pipeline programs built as fleet builds them, and program
   signatures to compare two programs by structure;
 * :mod:`.ideal_timeline`: ideal 1F1B timelines by simulation, to check the bubble measurement;
-* :mod:`.root_cause_job`: a 2-rank job whose rank dies (:mod:`.dying_rank_script`) under a
-  launcher, and what the launcher reported;
+* :mod:`.sync_count`: how many real ``Block._sync_with_cpp`` calls a static program edit made;
 * :mod:`.sockets`: the TCP sockets this process listens on.
 """
 from .launch import RESULT_DIR_ENV, LaunchError, launch, save_result

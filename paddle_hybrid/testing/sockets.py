@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from ..common.sockets import socket_fds
+from ..gloo.sockets import socket_fds
 
 __all__ = ["listening_sockets"]
 

@@ -9,7 +9,7 @@ import time
 import pytest
 from paddle.base import core
 
-from paddle_hybrid.common.prefix_store import prefix_store
+from paddle_hybrid.gloo.prefix_store import prefix_store
 from paddle_hybrid.ops import BUILD_COMMAND
 
 

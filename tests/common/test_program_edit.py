@@ -5,7 +5,8 @@ import paddle
 import pytest
 from paddle.base import framework
 
-from paddle_hybrid.common.program_edit import count_syncs, deferred_sync
+from paddle_hybrid.common.program_edit import deferred_sync
+from paddle_hybrid.testing.sync_count import count_syncs
 from paddle_hybrid.testing.static_programs import program_signature
 
 
@@ -108,3 +109,15 @@ def test_rejects_pir_program():
     with pytest.raises(TypeError, match="legacy Program or Block"):
         with deferred_sync(paddle.static.Program()):
             pass
+
+
+def test_the_old_count_syncs_path_warns_and_gives_the_same_object():
+    import paddle_hybrid.common.program_edit as program_edit
+    from paddle_hybrid.testing import sync_count
+
+    with pytest.warns(DeprecationWarning, match="paddle_hybrid.testing.sync_count"):
+        from paddle_hybrid.common.program_edit import count_syncs as old
+    assert old is count_syncs is sync_count.count_syncs
+    with pytest.warns(DeprecationWarning, match="paddle_hybrid.testing.sync_count"):
+        assert program_edit.SyncCount is sync_count.SyncCount
+    assert "count_syncs" not in program_edit.__all__

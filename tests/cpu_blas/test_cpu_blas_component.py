@@ -102,16 +102,16 @@ def test_user_value_is_left_alone(fake_machine, monkeypatch):
     state = _install()
     assert state.status == "off" and "left as it is" in state.reason
     assert os.environ[VARIABLE] == "2"
-    assert cpu_blas.worker_environment() == {}
+    assert cpu_blas.worker_environment(config=paddle_hybrid.PluginConfig()) == {}
 
 
 def test_switch_off(fake_machine, monkeypatch):
-    state = _install(cpu_blas_vendor_fix=False)
-    assert state.status == "off" and "cpu_blas_vendor_fix=False" in state.reason
+    state = _install(cpu_blas=False)
+    assert state.status == "off" and "cpu_blas=False" in state.reason
     assert VARIABLE not in os.environ
-    assert cpu_blas.worker_environment(config=paddle_hybrid.PluginConfig(cpu_blas_vendor_fix=False)) == {}
+    assert cpu_blas.worker_environment(config=paddle_hybrid.PluginConfig(cpu_blas=False)) == {}
     monkeypatch.setenv("PADDLE_HYBRID_CPU_BLAS", "0")
-    assert paddle_hybrid.PluginConfig.from_env().cpu_blas_vendor_fix is False
+    assert paddle_hybrid.PluginConfig.from_env().cpu_blas is False
 
 
 def test_worker_environment_does_not_count_its_own_value_as_the_users(fake_machine):
@@ -142,7 +142,7 @@ with warnings.catch_warnings(record=True) as caught:
     import paddle_hybrid
 from paddle_hybrid import cpu_blas
 from paddle_hybrid.cpu_blas import machine
-state = paddle_hybrid.registry.install.component_state("cpu_blas")
+state = paddle_hybrid.catalog.install.component_state("cpu_blas")
 path, _ = machine.mkl_path(os.environ)
 print(json.dumps({{"env": os.environ.get("MKL_DEBUG_CPU_TYPE"), "status": state.status, "reason": state.reason,
                   "cpu_type": machine.mkl_cpu_type(path) if path else None,

@@ -69,7 +69,7 @@ def main() -> None:
               "path0": sys.path[0], "omp": os.environ.get("OMP_NUM_THREADS"), "file": __file__,
               "mkl_env": os.environ.get("MKL_DEBUG_CPU_TYPE")}
     if PLUGIN_BEFORE_FIRST_LINE:  # what the plugin's cpu_blas component saw at its start
-        state = sys.modules["paddle_hybrid.registry.install"].component_state("cpu_blas")
+        state = sys.modules["paddle_hybrid.catalog.install"].component_state("cpu_blas")
         result["cpu_blas"] = [state.status, state.reason]
     if args.mode == "fail" and _rank() == args.fail_rank:
         if args.exit_code:

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
+import paddle_hybrid
 from paddle_hybrid import launch as ph_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -178,7 +179,7 @@ def test_workers_get_the_cpu_blas_setting_from_their_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != cpu_blas.VARIABLE}
     # the decision with the switch as this run has it (PADDLE_HYBRID_CPU_BLAS=0 on MKL's second
     # code path on AMD: nothing set)
-    expected = cpu_blas.worker_environment(env).get(cpu_blas.VARIABLE)
+    expected = cpu_blas.worker_environment(env, config=paddle_hybrid.PluginConfig.from_env()).get(cpu_blas.VARIABLE)
     code, results, log_dir, _ = _launch(tmp_path, "paddle_hybrid.launch", 2, "--mode", "env",
                                         env={"OMP_NUM_THREADS": "1", cpu_blas.VARIABLE: None})
     assert code == 0, _logs(log_dir)

@@ -12,7 +12,7 @@ import time
 
 from paddle_hybrid.launch import exit_code as ec
 
-from paddle_hybrid.testing import root_cause_job
+import root_cause_job  # tests/launch/root_cause_job.py, next to this file (pytest puts this folder on sys.path)
 
 REPEAT = 5  # the lowest-rank rule named rank 0 in 15 of 20 runs on a 2-core machine; 5 runs take ~25 s
 

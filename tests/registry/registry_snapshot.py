@@ -11,12 +11,12 @@ import os
 import sys
 
 SWITCHES_OFF = {
-    "PADDLE_HYBRID_META_OPTIMIZERS": "0", "PADDLE_HYBRID_RESHARD_DEFERRED_SYNC": "0",
-    "PADDLE_HYBRID_PIPELINE_SEND_WAIT": "0", "PADDLE_HYBRID_CPU_HYBRID": "off",
+    "PADDLE_HYBRID_META_OPTIMIZERS": "0", "PADDLE_HYBRID_RESHARD": "0",
+    "PADDLE_HYBRID_SEND_WAIT": "0", "PADDLE_HYBRID_CPU": "off",
     "PADDLE_HYBRID_EXPERT_PARALLEL": "off", "PADDLE_HYBRID_FLEET_FIXES": "0",
     "PADDLE_HYBRID_PADDLEFORMERS_FIXES": "0", "PADDLE_HYBRID_GRAD_BUCKETS": "0",
-    "PADDLE_HYBRID_STATIC_FUSE_ALLREDUCE": "0", "PADDLE_HYBRID_STATIC_PIPELINE": "off",
-    "PADDLE_HYBRID_AUTO_PARALLEL_CPU": "off", "PADDLE_HYBRID_PIPELINE_CUDAGRAPH": "0",
+    "PADDLE_HYBRID_FUSED_ALLREDUCE": "0", "PADDLE_HYBRID_STATIC_PIPELINE": "off",
+    "PADDLE_HYBRID_AUTO_PARALLEL_CPU": "off", "PADDLE_HYBRID_CUDA_GRAPH": "0",
     "PADDLE_HYBRID_CPU_BLAS": "0",
 }
 
@@ -26,7 +26,7 @@ CASES = {
     "cpu_all_off": SWITCHES_OFF,
     "cuda_default": {},
     "cuda_allow_unrun": {"PADDLE_HYBRID_ALLOW_UNRUN": "1"},
-    "cuda_forced_on": {"PADDLE_HYBRID_CPU_HYBRID": "on", "PADDLE_HYBRID_EXPERT_PARALLEL": "on",
+    "cuda_forced_on": {"PADDLE_HYBRID_CPU": "on", "PADDLE_HYBRID_EXPERT_PARALLEL": "on",
                        "PADDLE_HYBRID_STATIC_PIPELINE": "on", "PADDLE_HYBRID_AUTO_PARALLEL_CPU": "on"},
 }
 
@@ -51,7 +51,7 @@ def snapshot(case: str) -> dict:
     for key in [k for k in os.environ if k.startswith("PADDLE_HYBRID_")]:
         del os.environ[key]
     os.environ.update(CASES[case])
-    os.environ["PADDLE_HYBRID_CPU_HYBRID"] = os.environ.get("PADDLE_HYBRID_CPU_HYBRID", "auto")
+    os.environ["PADDLE_HYBRID_CPU"] = os.environ.get("PADDLE_HYBRID_CPU", "auto")
     import paddle_hybrid
 
     paddle_hybrid.uninstall()

@@ -9,7 +9,7 @@ import pytest
 import paddle
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
-from paddle_hybrid.registry import install as _install
+from paddle_hybrid.catalog import install as _install
 from paddle_hybrid.registry.device import accelerator_build
 from paddle_hybrid.config import ENVIRONMENT
 from paddle_hybrid.registry.gate import GATED, decide
@@ -82,20 +82,22 @@ def test_faked_cuda_build_installs_only_what_ran_there(monkeypatch, plugin_resto
     fake_build(monkeypatch, cuda=True)
     paddle_hybrid.install(PluginConfig())
     assert _component_status("grad_buckets") == "off"
-    assert _component_status("cuda_graph.pipeline") == "off"
-    for name in ("registration", "reshard", "fleet_fixes"):
+    assert _component_status("cuda_graph") == "off"
+    for name in ("reshard", "fleet_fixes"):
         assert _component_status(name) == "active", name
+    for name in ("fused_allreduce", "send_wait"):  # tri-state: written, never run on cuda
+        assert _component_status(name) == "off", name
     text = paddle_hybrid.report()
     assert "(cuda build)" in text
     for field, path in UNRUN_PATHS.items():
         line = next(line for line in text.splitlines() if line.strip().startswith(field + " "))
         assert " off: written, never run on cuda" in line and f"{ENVIRONMENT[field]}=1" in line, line
 
-    for opt_in in (dict(grad_buckets=True, pipeline_cudagraph=True), dict(allow_unrun=True)):
+    for opt_in in (dict(grad_buckets=True, cuda_graph=True), dict(allow_unrun=True)):
         paddle_hybrid.uninstall()
-        paddle_hybrid.install(PluginConfig(cpu_hybrid="off", **opt_in))
+        paddle_hybrid.install(PluginConfig(cpu="off", **opt_in))
         assert _component_status("grad_buckets") == "active", opt_in
-        assert _component_status("cuda_graph.pipeline") == "active", opt_in
+        assert _component_status("cuda_graph") == "active", opt_in
         assert "opted in" in paddle_hybrid.report()
 
 
@@ -104,7 +106,7 @@ def test_allow_unrun_reaches_every_gated_path(monkeypatch, plugin_restored):
     components (auto) are off and report() lists each with its opt-in; PADDLE_HYBRID_ALLOW_UNRUN
     turns every one of them on (before, it reached only the four tri-state paths), and an
     explicit off still wins."""
-    names = {"cpu_hybrid": "cpu", "expert_parallel": "expert_parallel", "static_pipeline": "static_pipeline",
+    names = {"cpu": "cpu", "expert_parallel": "expert_parallel", "static_pipeline": "static_pipeline",
              "auto_parallel_cpu": "auto_parallel_cpu"}
     assert set(AUTO_ON_OFF) == set(names)
     paddle_hybrid.uninstall()
@@ -125,10 +127,13 @@ def test_allow_unrun_reaches_every_gated_path(monkeypatch, plugin_restored):
 
 
 def test_static_meta_optimizers_follow_the_rule(monkeypatch, plugin_restored):
-    """The send-wait and fused all_reduce meta optimizers ask the rule in ``_can_apply``: on a
-    faked CUDA build they decline without an opt-in, before looking at the strategy."""
+    """The send-wait and fused all_reduce meta optimizers are their components' (``send_wait``,
+    ``fused_allreduce``): on a faked CUDA build fleet does not know them without an opt-in; with one
+    they apply by the strategy.  The fused class fleet gets carries the config; the bare class,
+    given none, never applies."""
+    from paddle.distributed.fleet.base import meta_optimizer_factory as factory
+
     from paddle_hybrid.static.fused_allreduce.meta_optimizer import FusedAllreduceOptimizer
-    from paddle_hybrid.static.send_wait.meta_optimizer import PipelineSendWaitOptimizer
 
     class Strategy:  # what the rule lets through reaches the strategy checks
         pipeline = True
@@ -140,25 +145,26 @@ def test_static_meta_optimizers_follow_the_rule(monkeypatch, plugin_restored):
         def _worker_num(self):
             return 2
 
+    def made(name):
+        cls = getattr(factory, name)
+        optimizer = cls.__new__(cls)
+        optimizer.role_maker, optimizer.user_defined_strategy = RoleMaker(), Strategy()
+        return optimizer
+
+    names = ("PipelineSendWaitOptimizer", "FusedAllreduceOptimizer")
     paddle_hybrid.uninstall()
     fake_build(monkeypatch, cuda=True)
-    paddle_hybrid.install(PluginConfig(cpu_hybrid="off"))
-    send_wait = PipelineSendWaitOptimizer.__new__(PipelineSendWaitOptimizer)
-    send_wait.role_maker, send_wait.user_defined_strategy = RoleMaker(), Strategy()
-    assert send_wait._can_apply() is False
+    paddle_hybrid.install(PluginConfig(cpu="off"))
+    assert not any(n in factory.meta_optimizer_names or hasattr(factory, n) for n in names)
     paddle_hybrid.uninstall()
-    paddle_hybrid.install(PluginConfig(cpu_hybrid="off", pipeline_send_wait=True))
-    assert send_wait._can_apply() is True
-
-    fused = FusedAllreduceOptimizer.__new__(FusedAllreduceOptimizer)
-    fused.role_maker, fused.user_defined_strategy = RoleMaker(), Strategy()
-    paddle_hybrid.uninstall()
-    paddle_hybrid.install(PluginConfig(cpu_hybrid="off"))
-    assert fused._can_apply() is False  # declined by the rule, the strategy is never read
-    paddle_hybrid.uninstall()
-    paddle_hybrid.install(PluginConfig(cpu_hybrid="off", static_fuse_allreduce=True))
-    with pytest.raises(AttributeError):  # now it reads the fake strategy (which lacks fields)
-        fused._can_apply()
+    paddle_hybrid.install(PluginConfig(cpu="off", send_wait=True, fused_allreduce=True))
+    assert all(n in factory.meta_optimizer_names for n in names)
+    assert made("PipelineSendWaitOptimizer")._can_apply() is True
+    with pytest.raises(AttributeError):  # it reads the fake strategy (which lacks fields)
+        made("FusedAllreduceOptimizer")._can_apply()
+    bare = FusedAllreduceOptimizer.__new__(FusedAllreduceOptimizer)
+    bare.role_maker, bare.user_defined_strategy = RoleMaker(), Strategy()
+    assert bare._can_apply() is False  # no config: declined before the strategy is read
 
 
 def test_graph_backend_and_clock_follow_where_the_run_is(monkeypatch):
@@ -169,13 +175,13 @@ def test_graph_backend_and_clock_follow_where_the_run_is(monkeypatch):
 
     fake_build(monkeypatch, cuda=True)
     monkeypatch.setattr(backends, "cuda_graphs_available", lambda: True)
-    assert backends.auto_backend_name(PluginConfig(pipeline_cudagraph=True)) == "emulation"  # run is on CPU
+    assert backends.auto_backend_name(PluginConfig(cuda_graph=True)) == "emulation"  # run is on CPU
     assert isinstance(recorder.choose_clock(), recorder._WallClock)
     monkeypatch.setattr(paddle, "get_device", lambda: "gpu:0")
     monkeypatch.setattr(backends, "_warned_unrun", False)
     with pytest.warns(RuntimeWarning, match="never run on a GPU"):
         assert backends.auto_backend_name(PluginConfig()) == "emulation"
-    assert backends.auto_backend_name(PluginConfig(pipeline_cudagraph=True)) == "cuda"
+    assert backends.auto_backend_name(PluginConfig(cuda_graph=True)) == "cuda"
     assert backends.auto_backend_name(PluginConfig(allow_unrun=True)) == "cuda"
     monkeypatch.setattr(recorder, "_CudaEventClock", lambda: "cuda-event-clock")
     with pytest.warns(RuntimeWarning, match="never run on a GPU"):

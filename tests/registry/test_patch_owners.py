@@ -8,7 +8,7 @@ import pytest
 import paddle
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
-from paddle_hybrid.registry import install as _install
+from paddle_hybrid.catalog import install as _install
 from paddle_hybrid.dygraph.fleet_fixes.no_pipeline_dp import MARK
 from paddle_hybrid.registry.patching import Patcher, PatchConflictError
 
@@ -81,7 +81,7 @@ BOTH, FIX_ONLY, BUCKETS_ONLY, NEITHER = 101.0 + FIX, 1.0 + FIX, 101.0, 1.0
 @pytest.mark.parametrize("first_out", ["fleet_fixes", "grad_buckets"])
 def test_either_owner_can_go_first(sync_grad_fakes, first_out):
     param, paddle_sync = sync_grad_fakes
-    config = PluginConfig(cpu_hybrid="off")
+    config = PluginConfig(cpu="off")
     paddle_hybrid.install_component("fleet_fixes", config)
     paddle_hybrid.install_component("grad_buckets", config)
     assert _sync_once(param) == BOTH

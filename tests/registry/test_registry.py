@@ -1,4 +1,4 @@
-"""The one registry of Paddle patches (paddle_hybrid.registry.install): version policy, all or none,
+"""The one registry of Paddle patches (paddle_hybrid.catalog.install): version policy, all or none,
 whole uninstall, report."""
 import importlib
 import warnings
@@ -8,7 +8,7 @@ import pytest
 import paddle
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
-from paddle_hybrid.registry import install as _install
+from paddle_hybrid.catalog import install as _install
 from paddle_hybrid.registry.patching import _MISSING  # "the attribute did not exist before"
 
 
@@ -71,7 +71,7 @@ def test_unverified_paddle_skips_every_component_with_a_warning(plugin_restored,
         paddle_hybrid.install(PluginConfig())
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert paddle_hybrid.installed_components() == [] and paddle_hybrid.patches() == []
-    for name in ("cpu", "grad_buckets", "registration", "fleet_fixes"):
+    for name in ("cpu", "grad_buckets", "fused_allreduce", "send_wait", "fleet_fixes"):
         assert any(f"{name}: verified on Paddle" in m and "this is 9.9.0" in m
                    and f"PADDLE_HYBRID_FORCE={name}" in m for m in messages), (name, messages)
     assert "cpu                    skipped: cpu: verified on Paddle 3.2.x/3.3.x" in paddle_hybrid.report()
@@ -94,7 +94,7 @@ def test_a_failing_component_rolls_back_everything_installed_before_it(plugin_re
         raise KeyError("simulated failure")
 
     monkeypatch.setattr(COMPONENT, "apply", broken_apply)
-    with pytest.raises(paddle_hybrid.InstallError, match=r"installing cuda_graph\.pipeline failed: "
+    with pytest.raises(paddle_hybrid.InstallError, match=r"installing cuda_graph failed: "
                                                         r"'simulated failure'\. Nothing of the plugin is installed"):
         paddle_hybrid.install(PluginConfig())
     assert paddle_hybrid.installed_components() == [] and paddle_hybrid.current_config() is None

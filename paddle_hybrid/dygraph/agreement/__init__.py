@@ -1,6 +1,6 @@
 """The ranks agree at start-up: at ``fleet.distributed_model`` every rank publishes what must be
 the same on every rank, and a difference stops every rank at once, naming the field and each
-rank's value (component ``agreement``, ``PluginConfig.startup_agreement``).
+rank's value (component ``agreement``, ``PluginConfig.agreement``).
 
 Without it, ranks that disagree (``accumulate_steps`` 4 on one rank and 2 on another, gradient
 buckets switched off on one rank only, another hybrid degree) start training and hang in their
@@ -86,7 +86,7 @@ def check(config, strategy, model) -> None:
         raise AgreementError(
             "paddle_hybrid: the ranks disagree at start-up (fleet.distributed_model): " + "; ".join(found)
             + ". Every rank must run with the same fleet strategy, the same PADDLE_HYBRID_* settings and the "
-            f"same model ({ENVIRONMENT['startup_agreement']}=0 skips this check).")
+            f"same model ({ENVIRONMENT['agreement']}=0 skips this check).")
 
 
 def _make_distributed_model(original, config):
@@ -107,4 +107,4 @@ def apply(config, patcher) -> None:
     patcher.set(fleet, "distributed_model", _make_distributed_model(original, config))
 
 
-COMPONENT = Component("agreement", ("3.2.", "3.3."), "startup_agreement", apply)
+COMPONENT = Component("agreement", ("3.2.", "3.3."), "agreement", apply)

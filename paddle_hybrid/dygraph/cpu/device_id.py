@@ -25,7 +25,7 @@ def _make_device_id(stock_property):
     return property(device_id)
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import paddle.distributed.parallel as parallel
 
     from ...registry.patching import PatchSignatureError

@@ -63,7 +63,7 @@ def _make_to_device(stock):
     return to_device
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     import paddle

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 
 from ...registry.device import is_gloo
-from .groups import pair_group
+from ...gloo.groups import pair_group
 
 __all__ = ["apply"]
 
@@ -84,7 +84,7 @@ def _make_meta(p2p, orig_send, orig_recv):
     return send_meta, recv_meta
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
 
     meta_cls = p2p.SendRecvMeta

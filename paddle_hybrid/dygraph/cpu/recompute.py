@@ -119,7 +119,7 @@ def _make_merge(stock_merge):
     return _merge_activation
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from ...registry.patching import PatchSignatureError
 
     hybrid = importlib.import_module("paddle.distributed.fleet.recompute.recompute_hybrid")

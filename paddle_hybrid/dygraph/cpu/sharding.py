@@ -7,7 +7,7 @@ with ``save_group_sharded_model``.
 Device rule: every replacement decides per call.  It does its CPU work only when the call is
 on the CPU (the place, the storage or the run is on the CPU; the group is gloo where one is
 involved) and otherwise calls Paddle's original unchanged, so on a CUDA build nothing changes
-for GPU runs even with ``cpu_hybrid='on'``.
+for GPU runs even with ``cpu='on'``.
 
 1. ``tensor_fusion_helper.get_current_device_type`` asks the place for ``get_device_type()``,
    which ``CPUPlace`` lacks, and its ``alignment`` table has no CPU entry (V2 always, V1 with
@@ -199,7 +199,7 @@ def _make_clip(orig):
     return _dygraph_clip
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import paddle
     from paddle.base import core
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_optimizer_stage2 as gso2

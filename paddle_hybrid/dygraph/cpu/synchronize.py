@@ -39,7 +39,7 @@ def _make_synchronize(stock):
     return synchronize
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import paddle.device
 
     stock = patcher.require(paddle.device, "synchronize", "paddle.device")

@@ -532,7 +532,7 @@ PATCHED_MP_OPS = {
 }
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import paddle.distributed.collective as collective
     from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel import tensor_parallel

@@ -52,7 +52,7 @@ def _make_stop(stock_stop):
     return stop
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     helper = importlib.import_module("paddle.distributed.fleet.utils.timer_helper")

@@ -113,7 +113,7 @@ def _holds_assertion(cls, orig) -> bool:
         raise _SourceUnreadable(f"{type(exc).__name__}: {exc}") from exc
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.distributed.fleet.meta_parallel import pipeline_parallel as pp
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
 
@@ -140,7 +140,7 @@ def apply(patcher) -> None:
         if not holds:
             raise PatchSignatureError(
                 f"paddle_hybrid.dygraph.cpu: {cls_name}._check_sanity does not hold the check {_PADDLE_MSG!r} "
-                "this patch replaces; unexpected Paddle. Set PADDLE_HYBRID_CPU_HYBRID=off to run "
+                "this patch replaces; unexpected Paddle. Set PADDLE_HYBRID_CPU=off to run "
                 "without the CPU/gloo patches.")
         targets.append((cls, cls_name, orig, min_acc))
     for cls, cls_name, orig, min_acc in targets:  # all checked before the first change

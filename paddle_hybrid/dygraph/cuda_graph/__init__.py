@@ -22,7 +22,7 @@ from .pool import GraphPool
 from ...registry.component import Component
 from . import pipeline
 
-COMPONENT = Component("cuda_graph.pipeline", ("3.2.", "3.3."), "pipeline_cudagraph", pipeline.apply)
+COMPONENT = Component("cuda_graph", ("3.2.", "3.3."), "cuda_graph", pipeline.apply)
 
 __all__ = [
     "COMPONENT",

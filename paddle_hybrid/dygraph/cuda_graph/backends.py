@@ -57,7 +57,8 @@ def auto_backend_name(config=None) -> str:
     """What ``backend="auto"`` picks, by where the run is, not by how Paddle was compiled.
 
     ``"cuda"`` only when the run is on a GPU that Paddle can capture on *and* the device rule
-    lets the never-executed CUDA backend run (``pipeline_cudagraph=True`` or ``allow_unrun``);
+    lets the never-executed CUDA backend run (``cuda_graph=True`` or ``allow_unrun`` in ``config``,
+    by default the config the plugin was installed with; not installed: no opt-in);
     a GPU run without that opt-in gets the emulation, with one warning saying how to opt in.
     Otherwise (a CPU run, also on a CUDA build) the emulation.
     """
@@ -67,12 +68,11 @@ def auto_backend_name(config=None) -> str:
 
     if running_on_cpu() or not cuda_graphs_available():
         return "emulation"
-    if config is None:
-        from ...config import PluginConfig
+    if config is None:  # the config the cuda_graph component was installed with, if it was
         from . import COMPONENT
 
-        config = COMPONENT.config or PluginConfig.from_env()
-    if decide(config, "pipeline_cudagraph").on:
+        config = COMPONENT.config
+    if config is not None and decide(config, "cuda_graph").on:
         return "cuda"
     if not _warned_unrun:
         _warned_unrun = True
@@ -80,7 +80,7 @@ def auto_backend_name(config=None) -> str:
 
         warnings.warn("paddle_hybrid: CUDAGraphedLayer(backend='auto') uses the eager emulation on this GPU run: "
                       "the CUDA-graph backend is written but has never run on a GPU; "
-                      + opt_in_hint("pipeline_cudagraph") + ".", RuntimeWarning, stacklevel=4)
+                      + opt_in_hint("cuda_graph") + ".", RuntimeWarning, stacklevel=4)
     return "emulation"
 
 

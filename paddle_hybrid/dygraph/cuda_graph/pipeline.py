@@ -1,5 +1,5 @@
 """``PipelineLayer(..., use_cudagraph=True)`` with :class:`CUDAGraphedLayer` (component
-``cuda_graph.pipeline``).
+``cuda_graph``).
 
 Paddle 3.3.1's ``PipelineLayer._build_layer_impl`` wraps each run of
 consecutive layers of a stage (or of a virtual-pipeline chunk) in
@@ -15,9 +15,9 @@ from ``paddle.device.cuda.cuda_graphed_layer``; shared layers
   (``pipeline_layer.cuda_graph_pool``), i.e. one memory pool, captured in run order.
 
 Run on CPU only, with the eager emulation backend, on Paddle 3.2.x and 3.3.x: the CUDA backend
-was written against Paddle's documented API and never executed.  ``pipeline_cudagraph`` is a
+was written against Paddle's documented API and never executed.  ``cuda_graph`` is a
 tri-state field of :mod:`paddle_hybrid.registry.gate`: on a build with an accelerator the graphs
-stay off until ``pipeline_cudagraph=True`` or ``allow_unrun=True``.  The allocator flag CUDA
+stay off until ``cuda_graph=True`` or ``allow_unrun=True``.  The allocator flag CUDA
 graphs want is its own component, :mod:`paddle_hybrid.dygraph.cuda_malloc_async`.
 """
 from __future__ import annotations

@@ -7,7 +7,8 @@ on a CPU build.  Each concern below is one module:
 =======================  ==============================================================
 concern                  what it makes work on CPU (details in the module's docstring)
 =======================  ==============================================================
-:mod:`.all_to_all`       every all-to-all of a gloo process group (``dist.alltoall``,
+:mod:`paddle_hybrid.gloo.all_to_all`
+                         every all-to-all of a gloo process group (``dist.alltoall``,
                          ``alltoall_single``, ``stream.alltoall_single``, the process
                          group's own methods): a pairwise exchange, each byte sent once
 :mod:`.routing_kernels`  ``number_count``, ``assign_pos``, ``limit_by_capacity``,
@@ -27,17 +28,20 @@ whether its group is gloo and its tensors are on the CPU, and otherwise calls Pa
 """
 from __future__ import annotations
 
+from ...gloo import all_to_all
 from ...registry.component import Component
 from ...registry.patching import Patcher
+from . import global_exchange, nccl_check, routing_kernels
 
 __all__ = ["COMPONENT", "apply", "CONCERNS"]
 
-CONCERNS = ["all_to_all", "routing_kernels", "global_exchange", "nccl_check"]
+CONCERNS = (all_to_all, routing_kernels, global_exchange, nccl_check)
 
 
 def apply(config, patcher: Patcher) -> None:
-    patcher.apply_modules(__name__, CONCERNS)
+    for concern in CONCERNS:
+        concern.apply(config, patcher)
 
 
-# When: PluginConfig.expert_parallel, auto/on/off as PluginConfig.cpu_hybrid (paddle_hybrid.registry.gate).
+# When: PluginConfig.expert_parallel, auto/on/off as PluginConfig.cpu (paddle_hybrid.registry.gate).
 COMPONENT = Component("expert_parallel", ("3.2.", "3.3."), "expert_parallel", apply)

@@ -33,7 +33,7 @@ import functools
 import numpy as np
 
 from ...registry.device import is_gloo, on_cpu
-from .all_to_all import _single
+from ...gloo.all_to_all import exchange_single
 
 __all__ = ["apply", "global_scatter_gloo", "global_gather_gloo"]
 
@@ -78,7 +78,7 @@ def _exchange(pg, x, send_rows, recv_rows):
     import paddle
 
     out = paddle.empty([int(recv_rows.sum())] + list(x.shape[1:]), dtype=x.dtype)
-    _single(pg, out, x.contiguous(), recv_rows.tolist(), send_rows.tolist())
+    exchange_single(pg, out, x.contiguous(), recv_rows.tolist(), send_rows.tolist())
     return out
 
 
@@ -191,7 +191,7 @@ def _make_count_alltoall(original):
     return _alltoall
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     incubate_utils = importlib.import_module("paddle.incubate.distributed.models.moe.utils")

@@ -27,7 +27,7 @@ def _make(original):
     return check_nccl_version_for_p2p
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     moe_layer = importlib.import_module("paddle.incubate.distributed.models.moe.moe_layer")

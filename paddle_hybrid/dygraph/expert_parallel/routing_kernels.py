@@ -187,7 +187,7 @@ PATCHED = {
 _IMPORTED_BY_INCUBATE = ["_number_count", "_assign_pos", "_limit_by_capacity", "_prune_gate_by_capacity"]
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     utils = importlib.import_module("paddle.distributed.models.moe.utils")

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
+from . import (moe_empty_experts, moe_scatter_grad, no_pipeline_dp, process_mesh_numpy2, sharding_v2_grads,
+               shared_weight_norm, stage3_param_groups, tied_optimizer_state)
 
 __all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
 
-FIXES = ["shared_weight_norm", "no_pipeline_dp", "sharding_v2_grads", "stage3_param_groups", "moe_scatter_grad",
-         "moe_empty_experts", "tied_optimizer_state", "process_mesh_numpy2"]
+FIXES = (shared_weight_norm, no_pipeline_dp, sharding_v2_grads, stage3_param_groups, moe_scatter_grad,
+         moe_empty_experts, tied_optimizer_state, process_mesh_numpy2)
 
 
 def apply(config, patcher: Patcher) -> None:
-    patcher.apply_modules(__name__, FIXES)
+    for fix in FIXES:
+        fix.apply(config, patcher)
 
 
 COMPONENT = Component("fleet_fixes", ("3.2.", "3.3."), "fleet_fixes", apply)

@@ -31,7 +31,7 @@ def _make_apply(original_apply):
     return classmethod(apply)
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     moe_layer = importlib.import_module("paddle.incubate.distributed.models.moe.moe_layer")

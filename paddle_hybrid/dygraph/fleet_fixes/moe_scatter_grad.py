@@ -42,7 +42,7 @@ def scatter_backward_summing_routes(ctx, grad):
     return _sum_rows_by_token(local_grad_in, pos, inp_batch_size), None, None, None
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
     import inspect
 

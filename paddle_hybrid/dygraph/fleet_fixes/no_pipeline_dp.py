@@ -51,7 +51,7 @@ def _make_sync(orig):
     return _hybrid_sync_grad
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import hybrid_parallel_optimizer as hpo_mod
     from paddle.distributed.fleet.meta_parallel import pipeline_parallel as pp
 

@@ -43,7 +43,7 @@ def _make(original):
     return get_rank_by_dim_and_process_id
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.distributed.auto_parallel.process_mesh import ProcessMesh
 
     original = patcher.require(ProcessMesh, "get_rank_by_dim_and_process_id",

@@ -135,7 +135,7 @@ def _make_filter_parameters(orig):
     return filter_parameters
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import dygraph_sharding_optimizer as dso
     from paddle.distributed.fleet.utils import tensor_fusion_helper as tfh
 

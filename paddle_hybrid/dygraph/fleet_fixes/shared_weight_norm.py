@@ -39,7 +39,7 @@ def _make_sync(orig):
     return _synchronize_shared_weights
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
 
     cls = patcher.require(pp_layers, "PipelineLayer", "pp_layers")

@@ -69,7 +69,7 @@ def _make_update_params_slice(orig):
     return _update_params_slice
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.distributed.fleet.meta_parallel.sharding import group_sharded_stage3 as gs3
 
     stage3 = patcher.require(gs3, "GroupShardedStage3", "group_sharded_stage3")

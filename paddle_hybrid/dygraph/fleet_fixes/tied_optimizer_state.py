@@ -30,15 +30,9 @@ from __future__ import annotations
 import copy
 import functools
 
+from ...common.checkpoint_state import OPTIMIZER_STATE_SUFFIXES, MissingOptimizerStateError
+
 __all__ = ["apply", "MissingOptimizerStateError", "OPTIMIZER_STATE_SUFFIXES"]
-
-# What Paddle's optimizers append to a structured parameter name (adamw.py, the sharding optimizer).
-OPTIMIZER_STATE_SUFFIXES = (".moment1_0", ".moment2_0", ".velocity_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0",
-                            ".w_0")
-
-
-class MissingOptimizerStateError(RuntimeError):
-    """A flex checkpoint lacks optimizer state this layout needs."""
 
 
 def _split_state_key(key: str):
@@ -103,7 +97,7 @@ def _make_get_rank_to_files(stock):
     return get_rank_to_files
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     import paddle

@@ -3,8 +3,9 @@
 **A gradient is in the buffer.**  The buckets' hooks are gradient hooks (``register_hook``:
 the only kind Paddle can remove again).  They run *before* Paddle adds the incoming gradient
 into ``.grad``; the addition happens right after the hooks of that parameter, before the
-next node of the graph runs.  So a hook only :func:`defer`\\ s "parameter k accumulated", and
-the next hook on this thread, or the end of the pass, delivers it (:func:`flush`).
+next node of the graph runs.  So a hook only queues "parameter k accumulated" (as ``(owner, k)``
+in this thread's ``pending``, :func:`state`), and the next hook on this thread, or the end of the
+pass, delivers it (:func:`flush`).
 
 **The pass is over.**  ``core.eager._add_backward_final_hook`` is no help: with re-entrant
 recompute it fires at the end of the recompute's inner backward, before the outer pass has
@@ -27,7 +28,7 @@ import functools
 import threading
 import weakref
 
-__all__ = ["state", "defer", "flush", "take_part", "wrap_backward", "in_backward", "end_pass"]
+__all__ = ["state", "flush", "take_part", "wrap_backward", "in_backward", "end_pass"]
 
 _local = threading.local()
 
@@ -53,16 +54,10 @@ def take_part(owner) -> None:
     state()["parts"].setdefault(id(owner), weakref.ref(owner))
 
 
-def defer(owner, k: int) -> None:
-    """Parameter ``k`` of ``owner`` fired; tell ``owner._accumulated(k)`` once Paddle has
-    added the gradient (the owner also has to :func:`take_part`)."""
-    state()["pending"].append((owner, k))
-
-
 def flush() -> None:
-    """Deliver every deferred "accumulated" on this thread (oldest first)."""
+    """Deliver every queued "accumulated" on this thread (oldest first)."""
     s = state()
-    while s["pending"]:  # a delivery never defers more; the loop is for safety
+    while s["pending"]:  # a delivery never queues more; the loop is for safety
         pending, s["pending"] = s["pending"], []
         for owner, k in pending:
             owner._accumulated(k)

@@ -60,9 +60,9 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
         return
     from . import grad_norm_hook, flex_checkpoint_load, trainer_resume
 
-    grad_norm_hook.apply(patcher, trainer_module)
-    flex_checkpoint_load.apply(patcher, trainer_module)
-    trainer_resume.apply(patcher, trainer_module)
+    grad_norm_hook.fix(patcher, trainer_module)
+    flex_checkpoint_load.fix(patcher, trainer_module)
+    trainer_resume.fix(patcher, trainer_module)
 
 
 def apply(config, patcher: Patcher) -> str:

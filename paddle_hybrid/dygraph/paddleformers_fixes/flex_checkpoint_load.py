@@ -12,7 +12,7 @@ state under every name of a tied weight, so checkpoints saved with the plugin do
 
 Fix: before ``init_optimizer`` runs, when the checkpoint holds optimizer state at all, every
 trainable parameter must have some under one of its names here; otherwise
-:class:`~paddle_hybrid.dygraph.fleet_fixes.tied_optimizer_state.MissingOptimizerStateError` names them.
+:class:`~paddle_hybrid.common.checkpoint_state.MissingOptimizerStateError` names them.
 A resume with ``--ignore_load_lr_and_optim`` (the Trainer loads no optimizer state) is not
 checked.
 
@@ -29,19 +29,17 @@ from __future__ import annotations
 import functools
 import threading
 
+from ...common.checkpoint_state import MOMENT_SUFFIXES, MissingOptimizerStateError
 from ...registry.patching import PatchSignatureError
 
 __all__ = ["apply", "check_state_found"]
 
-_MOMENTS = (".moment1_0", ".moment2_0", ".velocity_0")
 _loading = threading.local()  # .active, .ignore_optimizer: while a Trainer's flex checkpoint loads
 
 
 def check_state_found(model_sharded_state_dict, state_dict_metadata) -> None:
     """Raise if the metadata holds optimizer moments but none for some trainable parameter."""
-    from ..fleet_fixes.tied_optimizer_state import MissingOptimizerStateError
-
-    if not any(key.endswith(_MOMENTS) for key in state_dict_metadata):
+    if not any(key.endswith(MOMENT_SUFFIXES) for key in state_dict_metadata):
         return  # a checkpoint without optimizer state: nothing to place
     names: dict = {}
     for key in sorted(model_sharded_state_dict):
@@ -49,7 +47,7 @@ def check_state_found(model_sharded_state_dict, state_dict_metadata) -> None:
         if not tensor.stop_gradient:
             names.setdefault(tensor.name, []).append(key)
     missing = [group for group in names.values()
-               if not any(n + suffix in state_dict_metadata for n in group for suffix in _MOMENTS)]
+               if not any(n + suffix in state_dict_metadata for n in group for suffix in MOMENT_SUFFIXES)]
     if missing:
         raise MissingOptimizerStateError(
             f"paddle_hybrid: the checkpoint has optimizer state, but none for the parameters {missing[:8]} "
@@ -96,7 +94,7 @@ def _make_get_hcg(stock, fleet_singleton):
     return get_hybrid_communicate_group
 
 
-def apply(patcher, trainer_module) -> None:
+def fix(patcher, trainer_module) -> None:
     import importlib
 
     fleet_package = importlib.import_module("paddle.distributed.fleet")

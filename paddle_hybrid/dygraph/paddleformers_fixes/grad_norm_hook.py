@@ -53,7 +53,7 @@ def _make_wrap(stock):
     return _wrap_distributed_optimizer
 
 
-def apply(patcher, trainer_module) -> None:
+def fix(patcher, trainer_module) -> None:
     trainer_cls = patcher.require(trainer_module, "Trainer", "paddleformers.trainer.trainer")
     stock = patcher.require(trainer_cls, "_wrap_distributed_optimizer", "paddleformers Trainer")
     patcher.check_params(stock, ["self", "optimizer"], "Trainer._wrap_distributed_optimizer")

@@ -159,7 +159,7 @@ def _make_get_last_checkpoint(original):
     return get_last_checkpoint
 
 
-def apply(patcher, trainer_module) -> None:
+def fix(patcher, trainer_module) -> None:
     """Phases: check what is wrapped, then wrap ``Trainer.train``, ``Trainer._save_checkpoint`` and
     ``get_last_checkpoint`` where PaddleFormers' modules hold it."""
     import importlib

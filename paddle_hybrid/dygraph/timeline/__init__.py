@@ -25,30 +25,36 @@ from .recorder import RECORDER, install_hooks
 __all__ = ["enable", "disable", "is_enabled", "events", "finish", "apply", "RECORDER", "COMPONENT"]
 
 
-def enable() -> None:
+def enable(config=None) -> None:
     """Start recording every following ``train_batch`` of a fleet pipeline model.
 
-    The hooks are the timeline component of the registry (installed with ``timeline=True``), so
-    ``paddle_hybrid.patches()`` lists them and ``paddle_hybrid.uninstall()`` removes them."""
+    The hooks are the timeline component (installed again with ``timeline=True`` on ``config``, by
+    default the config the plugin was installed with), so ``paddle_hybrid.patches()`` lists them
+    and ``paddle_hybrid.uninstall()`` removes them."""
     import dataclasses
-
-    from ...config import PluginConfig
 
     if is_enabled():
         return
-    registry = COMPONENT.registry
-    ok, message = registry.is_verified(COMPONENT)
+    config = config if config is not None else COMPONENT.config
+    if config is None:
+        raise RuntimeError("paddle_hybrid.timeline.enable: the plugin is not installed; call "
+                           "paddle_hybrid.install() first, or pass enable(config=PluginConfig(...)).")
+    ok, message = COMPONENT.is_verified(config)
     if not ok:
         raise RuntimeError(message.replace("skipped", "not recording"))
-    config = dataclasses.replace(registry.current_config() or PluginConfig.from_env(), timeline=True)
-    state = COMPONENT.reinstall(config)
+    state = COMPONENT.install(dataclasses.replace(config, timeline=True))
     if state.status != "active":
         raise RuntimeError(f"paddle_hybrid.timeline: not recording: {state.reason}")
 
 
 def disable() -> None:
-    """Stop recording (the events recorded so far stay in :data:`RECORDER`)."""
-    COMPONENT.remove()
+    """Stop recording (the events recorded so far stay in :data:`RECORDER`): the component is
+    installed again with ``timeline=False``, so it keeps the config :func:`finish` reads."""
+    import dataclasses
+
+    if COMPONENT.config is None:
+        return
+    COMPONENT.install(dataclasses.replace(COMPONENT.config, timeline=False))
 
 
 def is_enabled() -> bool:
@@ -100,19 +106,23 @@ def _gather(local_events, timeout: float):
 
 
 def finish(out_dir: str, num_stages: int, num_micro: int, num_chunks: int = 1, tag: str = "timeline",
-           verbose: bool = True):
+           verbose: bool = True, timeout: float | None = None):
     """Gather every rank's events to rank 0 and write the trace and the chart there.
 
-    Collective: every rank must call it.  Returns, on rank 0, ``{"trace": path, "png": path or
+    Collective: every rank must call it, and each waits at most ``timeout`` seconds for the others
+    (None: ``PluginConfig.timeout`` of the config the timeline was last installed with, else
+    :data:`~paddle_hybrid.config.DEFAULT_TIMEOUT`).  Returns, on rank 0, ``{"trace": path, "png": path or
     None, "summary": {...}, "events": [...]}``; None on the other ranks.
     """
     import paddle.distributed as dist
 
     from . import bubble, gantt, trace
 
-    from ...config import PluginConfig
+    from ...config import DEFAULT_TIMEOUT
 
-    merged = _gather(RECORDER.events, (COMPONENT.config or PluginConfig.from_env()).timeout)
+    if timeout is None:
+        timeout = COMPONENT.config.timeout if COMPONENT.config is not None else DEFAULT_TIMEOUT
+    merged = _gather(RECORDER.events, timeout)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     if not merged:

@@ -8,18 +8,29 @@ An event is a plain dict::
 Times are seconds on one clock shared by all ranks (the recorder aligns them).
 The analysis, trace and plot modules all go through :func:`check_events` so a
 malformed event fails loudly with its index instead of producing a wrong plot.
+
+A compute event is one op of the pipeline schedule: :func:`compute_action` turns it into the
+:class:`~paddle_hybrid.common.schedule.Action` of :mod:`paddle_hybrid.common.schedule`, whose
+compact form (``F3``, ``B3.c1``) is its label.  The events keep the words ``forward`` /
+``backward`` in ``cat`` (the trace files' format); :data:`KIND_OF_CAT` translates.
 """
 from __future__ import annotations
 
 import math
 from numbers import Real
 
-__all__ = ["CATEGORIES", "COMPUTE", "check_events", "is_compute", "compute_label"]
+from ...common.schedule import Action, Kind
+
+__all__ = ["CATEGORIES", "COMPUTE", "KIND_OF_CAT", "CAT_OF_KIND", "check_events", "is_compute", "compute_action",
+           "compute_label"]
 
 #: Every category the recorder emits, in the order legends and tracks list them.
 CATEGORIES = ("forward", "backward", "comm", "grad_sync", "optimizer")
 #: The categories that are pipeline compute (the "busy" part of the bubble).
 COMPUTE = ("forward", "backward")
+#: The schedule kind of each compute category, and back.
+KIND_OF_CAT = {"forward": Kind.FORWARD, "backward": Kind.BACKWARD}
+CAT_OF_KIND = {kind: cat for cat, kind in KIND_OF_CAT.items()}
 
 _REQUIRED = ("rank", "step", "name", "cat", "start", "end")
 
@@ -68,9 +79,14 @@ def is_compute(ev) -> bool:
     return ev["cat"] in COMPUTE
 
 
+def compute_action(ev) -> Action:
+    """The schedule action of a compute event (``micro`` / ``chunk`` None where the event has none)."""
+    if ev["cat"] not in KIND_OF_CAT:
+        raise ValueError(f"{ev['cat']!r} event {ev['name']!r} is not a compute event (expected cat in {COMPUTE})")
+    return Action(KIND_OF_CAT[ev["cat"]], ev.get("micro"), ev.get("chunk"))
+
+
 def compute_label(ev) -> str:
-    """Short label of a compute event: ``F3``, ``B3``, ``F3.c1`` (chunk suffix only when known)."""
-    label = ("F" if ev["cat"] == "forward" else "B") + ("" if ev.get("micro") is None else str(ev["micro"]))
-    if ev.get("chunk") is not None:
-        label += f".c{ev['chunk']}"
-    return label
+    """Short label of a compute event, its action's compact form: ``F3``, ``B3``, ``F3.c1``
+    (micro-batch and chunk only when known)."""
+    return str(compute_action(ev))

@@ -19,7 +19,7 @@ measured bubble is ``(p - 1) / (m + p - 1)`` = :func:`theoretical_bubble`.
 """
 from __future__ import annotations
 
-from ._events import COMPUTE, check_events, is_compute
+from ._events import COMPUTE, check_events, compute_action, is_compute
 
 __all__ = [
     "theoretical_bubble",
@@ -159,15 +159,17 @@ def format_summary(summary) -> str:
 
 
 def compute_order(events, rank, step) -> list:
-    """``[("F"|"B", micro, chunk), ...]`` of ``rank``'s compute events in ``step``, by start time.
+    """The :class:`~paddle_hybrid.common.schedule.Action` of each of ``rank``'s compute events in
+    ``step`` (``[F0, F1, B0, ...]``), by start time.
 
     Ties on start are broken by end so a zero-length event does not jump ahead
-    of the one it precedes.  Compare with the schedule fleet intends to run.
+    of the one it precedes.  Compare with the schedule fleet intends to run, e.g. a list of
+    :mod:`paddle_hybrid.common.schedule`; an action is a ``(kind, micro, chunk)`` tuple and
+    equals ``("F", 3, None)``.
     """
     comp = [e for e in check_events(events) if e["rank"] == rank and e["step"] == step and is_compute(e)]
     comp.sort(key=lambda e: (e["start"], e["end"]))
-    return [("F" if e["cat"] == "forward" else "B", e.get("micro"), e.get("chunk"))
-            for e in comp]
+    return [compute_action(e) for e in comp]
 
 
 def overlapping_compute(events, tol=0.0) -> list:

@@ -29,6 +29,8 @@ import functools
 import time
 
 from ...common.pipeline_chunk import backward_chunk, takes_chunk_id
+from ...common.schedule import Kind
+from ._events import CAT_OF_KIND
 
 __all__ = ["Recorder", "RECORDER", "install_hooks", "choose_clock"]
 
@@ -161,18 +163,21 @@ def _wrap_train_batch(orig):
     return train_batch
 
 
-def _wrap_compute(orig, cat, letter):
+def _wrap_compute(orig, kind: Kind):
+    # The event format predates Action: cat "forward"/"backward", name the bare letter; the trace
+    # labels each event with its whole action ("F3") through _events.compute_label.
+    cat, name = CAT_OF_KIND[kind], str(kind)
     with_chunk_id = takes_chunk_id(orig)
 
     @functools.wraps(orig)
     def step(self, *args, **kwargs):
         chunk = kwargs.get("chunk_id")
-        if chunk is None and cat == "forward" and len(args) > 2:
+        if chunk is None and kind is Kind.FORWARD and len(args) > 2:
             chunk = args[2]  # _forward_step(input_tensor, micro_dataset, chunk_id, ...)
-        if chunk is None and cat == "backward":
+        if chunk is None and kind is Kind.BACKWARD:
             chunk = backward_chunk(self, args, kwargs, with_chunk_id)
         micro = RECORDER.next_micro(cat, chunk)
-        with RECORDER.span(cat, letter, micro=micro, chunk=chunk):
+        with RECORDER.span(cat, name, micro=micro, chunk=chunk):
             return orig(self, *args, **kwargs)
 
     return step
@@ -259,8 +264,8 @@ def install_hooks(patcher) -> None:
 
     for cls in schedules:
         patcher.set(cls, "train_batch", _wrap_train_batch(vars(cls)["train_batch"]))
-    patcher.set(base, "_forward_step", _wrap_compute(base._forward_step, "forward", "F"))
-    patcher.set(base, "_backward_step", _wrap_compute(base._backward_step, "backward", "B"))
+    patcher.set(base, "_forward_step", _wrap_compute(base._forward_step, Kind.FORWARD))
+    patcher.set(base, "_backward_step", _wrap_compute(base._backward_step, Kind.BACKWARD))
     patcher.set(p2p, "_p2p_helper", _wrap_p2p(p2p._p2p_helper))
     patcher.set(pp_layers.PipelineLayer, "allreduce_shared_weight_gradients",
                 _wrap_shared_sync(pp_layers.PipelineLayer.allreduce_shared_weight_gradients))

@@ -10,7 +10,7 @@ get_device_properties``                            ``paddle`` answers with a CPU
                                                    (name, memory) (a device answer)
 ``ProcessGroup.instantiate``                       asserts "No CUDA device found": a gloo comm
                                                    context per group, on a store of the group's
-                                                   own (:mod:`paddle_hybrid.static.static_pipeline.rings`)
+                                                   own (:mod:`paddle_hybrid.gloo.rings`)
 ``helper``'s ``paddle.device.synchronize``        refuses CPU: the helper module's
                                                    ``paddle`` answers that there is nothing to
                                                    synchronize (a device answer)
@@ -68,7 +68,7 @@ def _make_instantiate(original, timeout_of):
         from paddle.base import core
         from paddle.distributed.auto_parallel.static import process_group
 
-        from ..static_pipeline import rings
+        from ...gloo import rings
 
         if not _cpu_build() or self._is_instantiate:
             return original(self)

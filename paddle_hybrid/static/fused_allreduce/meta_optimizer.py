@@ -36,7 +36,7 @@ from .plan import FuseAllreduceConfig
 from .rewrite import DP_RING_ID, FuseAllreducePass
 from .runner import use_pir_path
 
-__all__ = ["FusedAllreduceOptimizer", "config_from_strategy"]
+__all__ = ["FusedAllreduceOptimizer", "config_from_strategy", "for_config"]
 
 
 def config_from_strategy(strategy, nranks: int) -> FuseAllreduceConfig:
@@ -50,6 +50,10 @@ def config_from_strategy(strategy, nranks: int) -> FuseAllreduceConfig:
 
 
 class FusedAllreduceOptimizer(MetaOptimizerBase):
+    config = None
+    """The plugin config of the component that made this class known to fleet (set on the class
+    it registers, :func:`for_config`); without one the optimizer never applies."""
+
     def __init__(self, optimizer):
         super().__init__(optimizer)
         self.inner_opt = optimizer
@@ -60,11 +64,7 @@ class FusedAllreduceOptimizer(MetaOptimizerBase):
         return int(self.role_maker._worker_num())
 
     def _can_apply(self):
-        from ...registry.gate import decide
-        from ..registration import COMPONENT as registration  # registers this class; holds the config
-
-        cfg = registration.config
-        if cfg is None or not decide(cfg, "static_fuse_allreduce").on:
+        if self.config is None:
             return False
         s = self.user_defined_strategy
         if not self.role_maker._is_collective or self._nranks() <= 1:
@@ -116,6 +116,16 @@ class FusedAllreduceOptimizer(MetaOptimizerBase):
             fuse_pass.set_attr(key, value)
         fuse_pass.set_attr("params_grads", params_grads)
         fuse_pass.apply([main], [startup_program])
+        # What StaticRunner's layout check waits, unless its caller says otherwise.
+        main._ph_layout_check_deadline = (self.config.seconds("static_layout_check_timeout"),
+                                          self.config.deadline_setting("static_layout_check_timeout"))
         # Paddle's build-strategy graph passes do not know the plugin's ops.
         main._pass_applied = True
         return optimize_ops, params_grads
+
+
+def for_config(config) -> type:
+    """The class fleet is given: :class:`FusedAllreduceOptimizer` carrying ``config`` (fleet
+    knows a meta optimizer by its class name, so the name stays)."""
+    return type(FusedAllreduceOptimizer.__name__, (FusedAllreduceOptimizer,),
+                {"config": config, "__module__": __name__, "__qualname__": FusedAllreduceOptimizer.__qualname__})

@@ -27,6 +27,7 @@ import paddle
 from paddle.base import framework
 
 from ...common.layout_check import DEFAULT_TIMEOUT, LayoutMismatchError, gather_and_compare
+from ...gloo.groups import ensure_process_group
 from .pir_repair import translate_with_repair
 from .plan import FusedLayout, describe_entry, layout_fingerprint
 
@@ -46,16 +47,6 @@ def use_pir_path(place=None) -> bool:
     if place is None:
         return running_on_cpu()
     return not isinstance(place, paddle.CUDAPlace)
-
-
-def ensure_process_group() -> None:
-    """Create the default (ring 0) gloo/NCCL group if it does not exist yet."""
-    import paddle.distributed as dist
-
-    if dist.get_world_size() <= 1 or dist.is_initialized():
-        return
-    with paddle.base.dygraph.guard():
-        dist.init_parallel_env()
 
 
 def check_layout_across_ranks(layout: FusedLayout, timeout: float = DEFAULT_TIMEOUT,
@@ -85,10 +76,10 @@ class StaticRunner:
     """Runs a program rewritten by the plugin's fused all-reduce meta optimizer.
 
     ``main_program`` must carry the layout (``_ph_fused_allreduce``) that
-    :func:`.rewrite.apply_fuse_allreduce` stores.  ``check_timeout`` (seconds; None: the plugin
-    config's deadline, ``PluginConfig.seconds("static_layout_check_timeout")``, else
-    :data:`paddle_hybrid.config.DEFAULT_TIMEOUT`) bounds the cross-rank layout check done at
-    construction.
+    :func:`.rewrite.apply_fuse_allreduce` stores.  ``check_timeout`` (seconds) bounds the
+    cross-rank layout check done at construction; None: the deadline the plugin's meta optimizer
+    stored with the program (``PluginConfig.seconds("static_layout_check_timeout")`` of the config
+    it was installed with), else :data:`paddle_hybrid.config.DEFAULT_TIMEOUT`.
     """
 
     def __init__(self, main_program, startup_program=None, place=None, check_timeout: float | None = None):
@@ -111,14 +102,11 @@ class StaticRunner:
         self.scope = paddle.static.global_scope()
         if self.pir:
             ensure_process_group()
-        setting = "check_timeout (StaticRunner)"
-        if check_timeout is None:
-            from ..registration import COMPONENT as registration
-
-            cfg = registration.config
-            check_timeout = cfg.seconds("static_layout_check_timeout") if cfg is not None else DEFAULT_TIMEOUT
-            setting = cfg.deadline_setting("static_layout_check_timeout") if cfg is not None else "PADDLE_HYBRID_TIMEOUT"
-        self.fingerprint = check_layout_across_ranks(self.layout, check_timeout, setting)
+        if check_timeout is not None:
+            deadline = (check_timeout, "check_timeout (StaticRunner)")
+        else:  # what the plugin's meta optimizer stored with the program, from the plugin's config
+            deadline = getattr(main_program, "_ph_layout_check_deadline", (DEFAULT_TIMEOUT, "PADDLE_HYBRID_TIMEOUT"))
+        self.fingerprint = check_layout_across_ranks(self.layout, *deadline)
         self._compiled: dict = {}
 
     def _translated(self, program):

@@ -6,4 +6,4 @@ from .deferred import EXPECTED_SOURCES, ReshardPatchWarning, apply, is_installed
 
 __all__ = ["COMPONENT", "apply", "is_installed", "ReshardPatchWarning", "EXPECTED_SOURCES", "source_mismatches"]
 
-COMPONENT = Component("reshard", ("3.2.", "3.3."), "reshard_deferred_sync", apply)
+COMPONENT = Component("reshard", ("3.2.", "3.3."), "reshard", apply)

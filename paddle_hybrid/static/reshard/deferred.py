@@ -16,7 +16,7 @@ ids.  The resulting programs and process groups are identical to stock
 (``tests/reshard/test_reshard.py``).
 
 The wrapper is installed by ``import paddle_hybrid`` (component
-``paddle_hybrid.static.reshard`` of :mod:`paddle_hybrid.registry.install`) when ``PluginConfig.reshard_deferred_sync`` is
+``paddle_hybrid.static.reshard`` of :mod:`paddle_hybrid.catalog.install`) when ``PluginConfig.reshard`` is
 True, and removed by :func:`uninstall`.  It is only installed on the Paddle
 source it was checked against: if ``reshard.py`` or ``new_process_group``
 differ from Paddle 3.3.1's, a :class:`ReshardPatchWarning` says so and stock

@@ -4,8 +4,8 @@
 and what it wraps, in its white list, so fleet applies it outermost), lets it build the
 section program, then applies
 :class:`~.rewrite.SendWaitPass` (:func:`~.rewrite.apply_pipeline_send_wait`) to it.
-It applies when ``strategy.pipeline`` is set, the role is collective and
-``PluginConfig.pipeline_send_wait`` is True.
+It applies when ``strategy.pipeline`` is set (without sharding) and the role is collective; fleet
+knows it while the ``send_wait`` component is installed (``PluginConfig.send_wait``).
 """
 from __future__ import annotations
 
@@ -27,12 +27,6 @@ class PipelineSendWaitOptimizer(MetaOptimizerBase):
         """The :class:`~.rewrite.SendWaitResult` of the last minimize."""
 
     def _can_apply(self):
-        from ...registry.gate import decide
-        from ..registration import COMPONENT as registration  # registers this class; holds the config
-
-        config = registration.config
-        if config is None or not decide(config, "pipeline_send_wait").on:
-            return False
         if not self.role_maker._is_collective:
             return False
         strategy = self.user_defined_strategy
@@ -54,7 +48,7 @@ class PipelineSendWaitOptimizer(MetaOptimizerBase):
         if section is None:
             raise RuntimeError(
                 "PipelineSendWaitOptimizer: fleet's PipelineOptimizer produced no section program "
-                "(program._pipeline_opt['section_program']); set PADDLE_HYBRID_PIPELINE_SEND_WAIT=0 to "
+                "(program._pipeline_opt['section_program']); set PADDLE_HYBRID_SEND_WAIT=0 to "
                 "train without the send-wait rewrite.")
         context = SendWaitPass().apply([section], [None])
         self.last_result = context.get_attr(PASS_NAME)

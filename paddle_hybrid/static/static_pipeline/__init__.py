@@ -19,7 +19,7 @@ Paddle                                          change
                                                 CUDA-only ``place_list`` holds the CPU place
 ``CollectiveHelper._init_communicator``         on a build without CUDA/XPU, called from fleet's
 (and fleet ``PipelineOptimizer.                 pipeline optimizer: gloo rings, a store per
-_init_process_group``, which marks the calls)   ring (:mod:`.rings`); other calls unchanged
+_init_process_group``, which marks the calls)   ring (:mod:`paddle_hybrid.gloo.rings`); other calls unchanged
 =============================================  ===============================================
 
 On CPU the executed copy of the section program has its ``send_v2``/``recv_v2`` lowered to
@@ -146,7 +146,7 @@ def apply(config, patcher) -> None:
     from paddle.distributed.fleet.meta_optimizers import common
     from paddle.distributed.fleet.meta_optimizers import pipeline_optimizer as fleet_pipeline
 
-    from . import rings
+    from ...gloo import rings
 
     patcher.check_params(executor.Executor.run,
                          ["self", "program", "feed", "fetch_list", "feed_var_name", "fetch_var_name", "scope",
@@ -162,11 +162,8 @@ def apply(config, patcher) -> None:
     patcher.check_params(fleet_pipeline.PipelineOptimizer._init_process_group,
                          ["self", "pipeline_pair", "pipeline_ring_map"], "fleet PipelineOptimizer._init_process_group")
     timeout = config.seconds("static_pipeline_timeout")
-    previous = lowering._timeout[0]
-    lowering.set_timeout(timeout)
     patcher.on_revert(rings.close_all, "static_pipeline rings")
     patcher.on_revert(lowering.shutdown, "static_pipeline sender threads")
-    patcher.on_revert(lambda: lowering.set_timeout(previous), "static_pipeline send timeout")
     deadline = (timeout, config.deadline_setting("static_pipeline_timeout"))
     patcher.set(executor.Executor, "run", _make_run(executor.Executor.run, deadline))
     patcher.answer(pipeline_module, "core", CPU_PLACE_ANSWERS, when=_minimizing_without_cuda, why="PipelineOptimizer.minimize's place list")

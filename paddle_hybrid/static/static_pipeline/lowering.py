@@ -5,7 +5,7 @@ what :func:`paddle_hybrid.static.send_wait.check_send_lifetimes` checks.  A copy
 
 * ``send_v2`` / ``recv_v2`` (their CPU kernels only throw) become ``py_func`` ops calling
   :func:`send` / :func:`recv`, a real point-to-point message on the ring's gloo process group
-  (:mod:`.rings`: ``ProcessGroupGloo.send``/``recv`` to the ring rank the op names as ``peer``),
+  (:mod:`paddle_hybrid.gloo.rings`: ``ProcessGroupGloo.send``/``recv`` to the ring rank the op names as ``peer``),
   at the op's place in the program.  A recv allocates what it receives from its ``out_shape`` and
   ``dtype`` and returns once it arrived.  A send is queued on the ring's sender thread, the CPU
   stand-in for the communication stream (:class:`_Sender`); one with ``use_calc_stream=True``
@@ -21,7 +21,7 @@ Why ``py_func`` over the ring's process group and not the alternatives:
   ``libpaddle.so``, so a custom op cannot reach a context;
 * a rewrite to an existing CPU collective (``broadcast`` on the 2-rank ring, rooted at the
   sender): legacy collective ops on CPU all get the first ring's comm context (see
-  :mod:`.rings`), so with two or more rings per process messages go to the wrong peer.  Seen:
+  :mod:`paddle_hybrid.gloo.rings`), so with two or more rings per process messages go to the wrong peer.  Seen:
   stage 0's gradients arrived as its own zeros, and 1F1B paired the wrong micro-batches.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ import numpy as np
 from paddle.base import framework
 
 from ...common.program_edit import OP_DEVICE_KEY, OP_ROLE_KEY, deferred_sync, op_role
-from .rings import DEADLINE_SETTING, RingTimeoutError, ring
+from ...gloo.rings import DEADLINE_SETTING, RingTimeoutError, ring
 
-__all__ = ["lower_for_gloo", "send", "recv", "wait_sends", "drain_all", "set_timeout", "take_failure"]
+__all__ = ["lower_for_gloo", "send", "recv", "wait_sends", "drain_all", "take_failure"]
 
 
 def _dygraph():
@@ -113,7 +113,6 @@ class _Sender:
 
 _STOP = object()  # queued by _Sender.stop: the thread's last item
 _senders: dict = {}  # ring id -> _Sender
-_timeout = [120.0]
 
 
 def _sender(ring_id: int) -> _Sender:
@@ -122,22 +121,20 @@ def _sender(ring_id: int) -> _Sender:
     return _senders[ring_id]
 
 
-def set_timeout(seconds: float) -> None:
-    _timeout[0] = float(seconds)
-
-
-def send(ring_id: int, peer: int, tensor, wait: bool) -> None:
+def send(ring_id: int, peer: int, tensor, wait: bool, timeout: float) -> None:
     """Queue a copy of ``tensor`` (a DenseTensor) for ring rank ``peer`` of ring ``ring_id``;
-    with ``wait`` (a send on the calculation stream) return only once it was received."""
+    with ``wait`` (a send on the calculation stream) return only once it was received, within
+    ``timeout`` seconds."""
     sender = _sender(ring_id)
     sender.submit(np.array(tensor), peer)
     if wait:
-        sender.drain(_timeout[0])
+        sender.drain(timeout)
 
 
-def wait_sends(ring_id: int) -> None:
-    """``c_sync_comm_stream`` of ring ``ring_id``: wait for every queued send of the ring."""
-    _sender(ring_id).drain(_timeout[0])
+def wait_sends(ring_id: int, timeout: float) -> None:
+    """``c_sync_comm_stream`` of ring ``ring_id``: wait (``timeout`` seconds at most) for every
+    queued send of the ring."""
+    _sender(ring_id).drain(timeout)
 
 
 def shutdown(timeout: float = 10.0) -> None:
@@ -152,10 +149,10 @@ def shutdown(timeout: float = 10.0) -> None:
                       f"a send after {timeout:.0f} s; they end with the process.", RuntimeWarning, stacklevel=2)
 
 
-def drain_all() -> None:
-    """Every ring's sends completed (the end of a step)."""
+def drain_all(timeout: float) -> None:
+    """Every ring's sends completed (the end of a step), each ring within ``timeout`` seconds."""
     for sender in list(_senders.values()):
-        sender.drain(_timeout[0])
+        sender.drain(timeout)
 
 
 def recv(ring_id: int, peer: int, shape, dtype):
@@ -210,11 +207,11 @@ def _py_func_attrs(op, fn) -> dict:
     return dict(_attrs(op), forward_callable_id=registry.id, backward_callable_id=-1, backward_skip_vars=[])
 
 
-def _lower_send(block, idx, op) -> None:
+def _lower_send(block, idx, op, timeout: float) -> None:
     name, ring_id, peer = op.input("X")[0], op.attr("ring_id"), op.attr("peer")
     ring(ring_id)  # fails here, naming the fix, if the ring is unknown
     wait = bool(op.attr("use_calc_stream")) if op.has_attr("use_calc_stream") else True
-    attrs = _py_func_attrs(op, lambda x: send(ring_id, peer, x, wait))
+    attrs = _py_func_attrs(op, lambda x: send(ring_id, peer, x, wait, timeout))
     block._remove_op(idx)
     block._insert_op(idx, type="py_func", inputs={"X": [name]}, outputs={"Out": []}, attrs=attrs)
 
@@ -230,15 +227,16 @@ def _lower_recv(block, idx, op) -> None:
     block._insert_op(idx, type="py_func", inputs={"X": []}, outputs={"Out": [name]}, attrs=attrs)
 
 
-def _lower_comm_sync(block, idx, op) -> None:
+def _lower_comm_sync(block, idx, op, timeout: float) -> None:
     ring_id, names = op.attr("ring_id"), op.input("X")
-    attrs = _py_func_attrs(op, lambda *xs: wait_sends(ring_id))
+    attrs = _py_func_attrs(op, lambda *xs: wait_sends(ring_id, timeout))
     block._remove_op(idx)
     block._insert_op(idx, type="py_func", inputs={"X": names}, outputs={"Out": []}, attrs=attrs)
 
 
-def lower_for_gloo(section) -> framework.Program:
-    """A lowered copy of ``section`` (see the module doc); ``section`` is not changed."""
+def lower_for_gloo(section, timeout: float) -> framework.Program:
+    """A lowered copy of ``section`` (see the module doc), whose sends wait at most ``timeout``
+    seconds for their peer; ``section`` is not changed."""
     program = section.clone()
     block = program.global_block()
     with deferred_sync(block):
@@ -252,10 +250,10 @@ def lower_for_gloo(section) -> framework.Program:
                 raise NotImplementedError(
                     f"paddle_hybrid.static.static_pipeline: {op.type} (pipeline with tensor parallel) is not lowered for gloo.")
             if op.type == "send_v2":
-                _lower_send(block, idx, op)
+                _lower_send(block, idx, op, timeout)
             elif op.type == "recv_v2":
                 _lower_recv(block, idx, op)
             elif op.type == "c_sync_comm_stream":
-                _lower_comm_sync(block, idx, op)
+                _lower_comm_sync(block, idx, op, timeout)
             idx += 1
     return program

@@ -33,6 +33,7 @@ import numpy as np
 import paddle
 from paddle.base import core, framework
 
+from ...config import DEFAULT_TIMEOUT
 from ...common.program_edit import OpRole, deferred_sync, op_role
 from .lowering import drain_all, lower_for_gloo, take_failure
 from .schedule import BACKWARD, FORWARD, LR, OPTIMIZER, job_order
@@ -109,7 +110,9 @@ class SectionRunner:
     """Runs steps of one pipeline ``main_program`` (fleet's, after ``minimize``) on this rank."""
 
     def __init__(self, main_program, place, lower: bool, deadline: tuple = (None, None)):
-        """``deadline``: ``(seconds, setting)`` bounding the ranks' agreement (None: no agreement)."""
+        """``deadline``: ``(seconds, setting)`` bounding the ranks' agreement and every wait for a
+        pipeline message (seconds None: no agreement, and messages wait
+        :data:`~paddle_hybrid.config.DEFAULT_TIMEOUT`)."""
         opt = main_program._pipeline_opt
         self.main = main_program
         self.section = opt["section_program"]
@@ -120,6 +123,7 @@ class SectionRunner:
         self.micro_batch_size = opt.get("ph_micro_batch_size")
         self.place = place
         self.lower = lower
+        self.message_timeout = deadline[0] if deadline[0] is not None else DEFAULT_TIMEOUT
         self._executors: dict = {}  # (scope, fetch names) -> (executor, sub-programs, computed, persistable)
         self._check_pure_pipeline()
         if deadline[0] is not None:
@@ -246,7 +250,7 @@ class SectionRunner:
     def _build(self, scope, local, feeds):
         from paddle.distributed.passes.pass_utils import set_skip_gc_vars
 
-        program = lower_for_gloo(self.section) if self.lower else self.section.clone()
+        program = lower_for_gloo(self.section, self.message_timeout) if self.lower else self.section.clone()
         subs = split_by_phase(program)
         self._add_fetch_ops(subs[FORWARD], local)
         with deferred_sync(subs[FORWARD].global_block()):
@@ -288,7 +292,7 @@ class SectionRunner:
                     raise failure from exc
                 raise
         if self.lower:
-            drain_all()  # a step ends when its sends arrived: errors surface in the step that caused them
+            drain_all(self.message_timeout)  # a step ends when its sends arrived: errors surface in the step that caused them
         values = {n: np.array(scope.find_var(n).get_tensor()) for n in persist}
         values.update(self._share_computed(computed))
         return [values[n] for n in fetch_names]

@@ -1,10 +1,10 @@
 """The device rule for paddle_hybrid.dygraph.cpu (README, "The device rule").
 
-* Under ``cpu_hybrid="auto"`` nothing of the CPU support installs on a build with an
+* Under ``cpu="auto"`` nothing of the CPU support installs on a build with an
   accelerator: CUDA, XPU and a custom device are faked by replacing
   ``paddle.is_compiled_with_cuda`` / ``is_compiled_with_xpu`` /
   ``paddle.device.get_all_custom_device_type``.
-* Under ``cpu_hybrid="on"`` every replacement of the concerns device, groups, p2p,
+* Under ``cpu="on"`` every replacement of the concerns device, groups, p2p,
   collectives, recompute, timers and virtual_pipeline hands a call on a non-gloo group
   (a fake whose ``process_group`` is a ``ProcessGroupNCCL``), a tensor not in host memory
   (a fake) or a run not on the CPU (``paddle.get_device`` answering ``"gpu:0"``) to Paddle's
@@ -29,7 +29,7 @@ import paddle
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
 from paddle_hybrid.dygraph import cpu
-from paddle_hybrid.dygraph.cpu import groups
+from paddle_hybrid.gloo import groups
 
 _MISSING = object()
 _GATE = "Recompute with RNG is not support current device"
@@ -110,7 +110,7 @@ def _value(owner, name):
 
 def _cpu_targets():
     """``(owner, name)`` of every Paddle attribute the cpu component replaces under ``on``."""
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     try:
         return cpu.patched()
     finally:
@@ -120,12 +120,12 @@ def _cpu_targets():
 @contextlib.contextmanager
 def _installed_over(monkeypatch, fakes):
     """Put each ``(owner, name, fake)`` in place of Paddle's attribute, install the cpu component
-    with ``cpu_hybrid="on"`` (so it wraps the fakes), and afterwards uninstall it *before* the
+    with ``cpu="on"`` (so it wraps the fakes), and afterwards uninstall it *before* the
     fakes are removed (the other order would leave the fakes behind)."""
     with monkeypatch.context() as mp:
         for owner, name, fake in fakes:
             mp.setattr(owner, name, fake)
-        paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+        paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
         try:
             yield mp
         finally:
@@ -175,17 +175,17 @@ def test_auto_installs_nothing_on_an_accelerator_build(fresh_plugin, monkeypatch
     stock = [_value(owner, name) for owner, name in targets]
     with monkeypatch.context() as mp:
         _fake_build(mp, kind)
-        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="auto"))
+        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu="auto"))
         assert state.status == "off", state
         # The message names the accelerator and the switch that forces the CPU support.
-        assert _BUILDS[kind]["named"] in state.reason and "cpu_hybrid='on'" in state.reason, state.reason
+        assert _BUILDS[kind]["named"] in state.reason and "cpu='on'" in state.reason, state.reason
         assert not cpu.is_active()
         assert [p for p in paddle_hybrid.patches() if p["component"] == "cpu"] == []
         assert [_value(owner, name) for owner, name in targets] == stock
         for (owner, name), original in zip(targets, stock):
             assert _value(owner, name) is original, (owner, name)
         # What the message promises: "on" installs them on this build.
-        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
         assert state.status == "active"
         assert {(id(o), n) for o, n in cpu.patched()} == {(id(o), n) for o, n in targets}
         paddle_hybrid.uninstall_component("cpu")
@@ -196,7 +196,7 @@ def test_auto_installs_on_a_build_without_accelerator(fresh_plugin, monkeypatch)
         mp.setattr(paddle, "is_compiled_with_cuda", lambda: False)
         mp.setattr(paddle, "is_compiled_with_xpu", lambda: False)
         mp.setattr(paddle.device, "get_all_custom_device_type", lambda: None)
-        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="auto"))
+        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu="auto"))
         assert state.status == "active" and cpu.is_active()
 
 
@@ -462,7 +462,7 @@ def test_recompute_split_on_cpu_leaves_the_callers_tensor(fresh_plugin):
     """partition=True over 2 ranks: this rank's half, the caller's activation untouched (Paddle's
     split flattens it in place)."""
     hybrid = _modules()["recompute_hybrid"]
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     h = paddle.arange(8, dtype="float32").reshape([2, 4])
     version = h.inplace_version
     part = hybrid._split_activation(h.detach(), _Group(ProcessGroupGloo(), nranks=2, rank=1))
@@ -520,7 +520,7 @@ def test_device_id_on_a_gpu_reaches_paddle(fresh_plugin, monkeypatch):
 def test_device_id_is_a_default_only_on_cpu(fresh_plugin, monkeypatch):
     """Off the CPU an environment without a device id keeps Paddle's error (no silent 0)."""
     parallel = _modules()["parallel"]
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     env = parallel.ParallelEnv()
     assert env.device_id == 0
     with monkeypatch.context() as mp:
@@ -552,7 +552,7 @@ def test_vp_lift_refused_when_the_source_cannot_be_read(fresh_plugin, monkeypatc
         try:
             with pytest.warns(RuntimeWarning, match=r"cannot read the source of PipelineParallelWithInterleave"
                                                     r"\._check_sanity .*two stages stays refused by Paddle"):
-                state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+                state = paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
             assert state.status == "active"  # the rest of the CPU support is installed
             for owner, name, fake in fakes:
                 assert vars(owner)[name] is fake, owner  # Paddle's check left in place

@@ -5,7 +5,7 @@ import paddle
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
 from paddle_hybrid.dygraph import cpu
-from paddle_hybrid.dygraph.cpu import groups
+from paddle_hybrid.gloo import groups
 
 
 def _modules():
@@ -33,7 +33,7 @@ def _targets():
 def test_install_patches_and_uninstall_restores(fresh_plugin):
     stock = _targets()
     assert not cpu.is_active()
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     patched = _targets()
     for k in ("device_id", "new_pg_impl", "hcg_init", "p2p_ops", "batched", "send_meta", "recv_meta"):
         assert patched[k] is not stock[k], k
@@ -45,10 +45,10 @@ def test_install_patches_and_uninstall_restores(fresh_plugin):
 
 def test_off_and_auto_on_cpu_build(fresh_plugin):
     stock = _targets()
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="off"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="off"))
     assert _targets() == stock
     paddle_hybrid.uninstall_component("cpu")
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="auto"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="auto"))
     assert cpu.is_active() == (not paddle.is_compiled_with_cuda())
 
 
@@ -59,9 +59,9 @@ def test_unexpected_paddle_version(fresh_plugin, monkeypatch):
     monkeypatch.setattr(paddle, "__version__", "9.9.0")
     with pytest.warns(RuntimeWarning, match=r"verified on Paddle 3\.2\.x/3\.3\.x, this is 9\.9\.0; skipped\. "
                                             r"Set PADDLE_HYBRID_FORCE=cpu"):
-        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+        state = paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     assert state.status == "skipped" and _targets() == stock and not cpu.is_active()
-    state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on", force_unverified=("cpu",)))
+    state = paddle_hybrid.install_component("cpu", PluginConfig(cpu="on", force_unverified=("cpu",)))
     assert state.status == "active" and cpu.is_active() and _targets() != stock
     paddle_hybrid.uninstall_component("cpu")
     assert _targets() == stock
@@ -72,20 +72,20 @@ def test_changed_signature_refused_before_any_change(fresh_plugin, monkeypatch):
     monkeypatch.setattr(p2p, "_p2p_ops", lambda a, b: None)
     stock = _targets()
     with pytest.raises(cpu.PatchSignatureError, match="_p2p_ops has parameters"):
-        paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+        paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     # concerns applied before p2p (device, groups) were rolled back too
     assert _targets() == stock and not cpu.is_active()
 
 
 def test_config_validation(monkeypatch):
-    with pytest.raises(ValueError, match="cpu_hybrid must be 'auto', 'on' or 'off'"):
-        PluginConfig(cpu_hybrid="yes")
+    with pytest.raises(ValueError, match="cpu must be 'auto', 'on' or 'off'"):
+        PluginConfig(cpu="yes")
     with pytest.raises(ValueError, match="grad_bucket_max_params"):
         PluginConfig(grad_bucket_max_params=-1)
-    monkeypatch.setenv("PADDLE_HYBRID_CPU_HYBRID", "ON")
+    monkeypatch.setenv("PADDLE_HYBRID_CPU", "ON")
     monkeypatch.setenv("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", "7")
     cfg = PluginConfig.from_env()
-    assert cfg.cpu_hybrid == "on" and cfg.grad_bucket_max_params == 7
+    assert cfg.cpu == "on" and cfg.grad_bucket_max_params == 7
     monkeypatch.setenv("PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS", "many")
     with pytest.raises(ValueError, match="not an integer"):
         PluginConfig.from_env()
@@ -110,12 +110,12 @@ def test_every_patched_attribute_is_restored(fresh_plugin):
     def value(owner, name):
         return vars(owner).get(name, "<missing>") if isinstance(owner, type) else getattr(owner, name, "<missing>")
 
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     targets = cpu.patched()
     assert len(targets) >= 25, targets  # device, groups, p2p, collectives, tp, sharding, recompute, timers, vp
     paddle_hybrid.uninstall_component("cpu")
     stock = [value(owner, name) for owner, name in targets]
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     assert all(value(o, n) is not s for (o, n), s in zip(targets, stock))
     paddle_hybrid.uninstall_component("cpu")
     assert all(value(o, n) is s for (o, n), s in zip(targets, stock))

@@ -58,7 +58,7 @@ def test_installed_without_the_cpu_component_and_removed_by_the_switch(only_flee
     from paddle_hybrid.dygraph import cpu
 
     stock = _current()
-    state = paddle_hybrid.install_component("fleet_fixes", PluginConfig(cpu_hybrid="off"))
+    state = paddle_hybrid.install_component("fleet_fixes", PluginConfig(cpu="off"))
     assert state.status == "active" and not cpu.is_active()
     for (owner, name), now, before in zip(_targets(), _current(), stock):
         assert now is not before and _wraps(now, before), name  # the fix, around Paddle's method

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from paddle_hybrid.common import gloo_timeout
+from paddle_hybrid.gloo import context_timeout as gloo_timeout
 from paddle_hybrid.testing import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_deadline.py")

@@ -169,7 +169,7 @@ def test_stock_hybrid_recompute_refuses_cpu(fresh_plugin, tracker):
     x.stop_gradient = False
     with pytest.raises(AssertionError, match="Recompute with RNG is not support current device: cpu"):
         recompute_hybrid({"mp_group": _OneRank()}, paddle.nn.Linear(6, 6), x * 1.0)
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     recompute_hybrid({"mp_group": _OneRank()}, paddle.nn.Linear(6, 6), x * 1.0).sum().backward()
 
 
@@ -180,7 +180,7 @@ def test_uninstall_restores_recompute_patches(fresh_plugin):
         return {"forward": fn_cls.__dict__["forward"], "merge": hybrid_mod._merge_activation}
 
     stock = current()
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     patched = current()
     for k in stock:
         assert patched[k] is not stock[k], k

@@ -236,7 +236,7 @@ def test_uninstall_restores_every_sharding_attribute(fresh_cpu_patches):
     cpu = fresh_cpu_patches
     stock = _targets()
     assert "cpu" not in stock[next(k for k in stock if k[1] == "alignment")]
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     patched = _targets()
     for key, value in patched.items():
         assert value is not stock[key], key

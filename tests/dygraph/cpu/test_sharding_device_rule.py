@@ -83,7 +83,7 @@ def fakes(fresh_plugin, monkeypatch):
     monkeypatch.setattr(gsu.GroupShardedClipGrad, "_dygraph_clip", _dygraph_clip)
     monkeypatch.setattr(core, "is_compiled_with_cuda", is_compiled_with_cuda)
     monkeypatch.setattr(paddle.device, "get_all_custom_device_type", get_all_custom_device_type)
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     calls.clear()  # what the gate asked the (faked) build while installing: not a replacement's call
     yield types.SimpleNamespace(calls=calls, device=device, tfh=tfh, storage=storage, gsu=gsu, gs=gs, gso2=gso2,
                                 gs3=gs3, classes=(gso2.GroupShardedOptimizerStage2, gs2.GroupShardedStage2,

@@ -4,14 +4,14 @@ value the user set in the environment alone.  Paddle 3.2 has no libuv store (nor
 the concern's only change is its other part, the wrapper that turns Nagle off on the store
 (tested in ``test_store_nodelay.py``).
 
-Why (``paddle_hybrid/dygraph/cpu/tcp_store.py``): the libuv server aborted a rank at exit now and
+Why (``paddle_hybrid/gloo/tcp_store.py``): the libuv server aborted a rank at exit now and
 then, each core dump in its read callback; the classic server has no such path.  Before the concern the flag stayed True
 under the plugin (the first assertion failed)."""
 import paddle
 
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
-from paddle_hybrid.dygraph.cpu import tcp_store
+from paddle_hybrid.gloo import tcp_store
 from paddle_hybrid.registry.patching import Patcher
 
 
@@ -38,7 +38,7 @@ def test_the_plugin_chooses_the_classic_store_and_uninstall_gives_it_back(fresh_
             patcher.revert()
         return
     assert stock is True  # Paddle 3.3's default: the libuv server
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     assert _flag() is False
     paddle_hybrid.uninstall_component("cpu")
     assert _flag() is stock

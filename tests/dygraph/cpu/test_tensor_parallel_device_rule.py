@@ -134,7 +134,7 @@ def fakes(fresh_plugin, monkeypatch):
         monkeypatch.setattr(cls, method, staticmethod(recorders[key].fn))
     recorders["sp.all_gather"] = Recorder("sp.all_gather", ["input"])
     monkeypatch.setattr(spu, "all_gather", recorders["sp.all_gather"].fn)
-    state = paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    state = paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     assert state.status == "active", state.reason
     try:
         yield recorders

@@ -56,7 +56,7 @@ def test_uninstall_restores_timer_patches(fresh_plugin):
         return {n: timer_helper._Timer.__dict__[n] for n in ("start", "stop")}
 
     stock = current()
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     patched = current()
     for k in stock:
         assert patched[k] is not stock[k], k

@@ -93,7 +93,7 @@ def test_check_sanity_patched_and_uninstall_restores(fresh_plugin):
         with pytest.raises(AssertionError, match=STOCK_MSG):
             c._check_sanity(_fake(2, 8))
 
-    paddle_hybrid.install_component("cpu", PluginConfig(cpu_hybrid="on"))
+    paddle_hybrid.install_component("cpu", PluginConfig(cpu="on"))
     assert (interleave, "_check_sanity") in cpu.patched() and (fthenb, "_check_sanity") in cpu.patched()
     for c in stock:
         assert vars(c)["_check_sanity"] is not stock[c]

@@ -40,7 +40,7 @@ def main():
     import paddle.distributed as dist
 
     import paddle_hybrid  # noqa: F401
-    from paddle_hybrid.common import gloo_timeout
+    from paddle_hybrid.gloo import context_timeout as gloo_timeout
     from paddle_hybrid.testing import save_result
 
     dist.init_parallel_env()

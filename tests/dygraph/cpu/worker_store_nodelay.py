@@ -9,7 +9,7 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hybrid  # noqa: F401  (installs the plugin)
-from paddle_hybrid.common.sockets import socket_fds
+from paddle_hybrid.gloo.sockets import socket_fds
 from paddle_hybrid.testing import save_result
 
 

@@ -62,7 +62,7 @@ def test_pipeline_layer_groups_runs_and_keeps_shared_and_callables_eager():
 def test_uninstall_restores_paddle_and_install_again():
     pp = pp_layers()
     config = paddle_hybrid.current_config()
-    paddle_hybrid.uninstall_component("cuda_graph.pipeline")
+    paddle_hybrid.uninstall_component("cuda_graph")
     try:
         from paddle.device.cuda import cuda_graphed_layer
 
@@ -70,7 +70,7 @@ def test_uninstall_restores_paddle_and_install_again():
         assert not getattr(pp.PipelineLayer._build_layer_impl, "__paddle_hybrid__", False)
         assert not pipeline.is_active()
     finally:
-        paddle_hybrid.install_component("cuda_graph.pipeline", config)
+        paddle_hybrid.install_component("cuda_graph", config)
     assert getattr(pp.CUDAGraphedLayer, "__paddle_hybrid__", False)
     assert getattr(pp.PipelineLayer._build_layer_impl, "__paddle_hybrid__", False)
 
@@ -78,14 +78,14 @@ def test_uninstall_restores_paddle_and_install_again():
 def test_config_off_leaves_paddle_alone():
     pp = pp_layers()
     config = paddle_hybrid.current_config()
-    paddle_hybrid.uninstall_component("cuda_graph.pipeline")
+    paddle_hybrid.uninstall_component("cuda_graph")
     try:
-        state = paddle_hybrid.install_component("cuda_graph.pipeline", PluginConfig(pipeline_cudagraph=False))
-        assert state.status == "off" and state.reason == "switched off (pipeline_cudagraph=False)"
+        state = paddle_hybrid.install_component("cuda_graph", PluginConfig(cuda_graph=False))
+        assert state.status == "off" and state.reason == "switched off (cuda_graph=False)"
         assert not getattr(pp.CUDAGraphedLayer, "__paddle_hybrid__", False)
     finally:
-        paddle_hybrid.uninstall_component("cuda_graph.pipeline")
-        paddle_hybrid.install_component("cuda_graph.pipeline", config)
+        paddle_hybrid.uninstall_component("cuda_graph")
+        paddle_hybrid.install_component("cuda_graph", config)
 
 
 def test_config_fields_validated_and_read_from_env(monkeypatch):
@@ -95,9 +95,9 @@ def test_config_fields_validated_and_read_from_env(monkeypatch):
         PluginConfig(cuda_malloc_async="yes")
     monkeypatch.setenv("PADDLE_HYBRID_CUDA_MALLOC_ASYNC", "1")
     monkeypatch.setenv("PADDLE_HYBRID_CUDA_GRAPH_WARMUP_STEPS", "0")
-    monkeypatch.setenv("PADDLE_HYBRID_PIPELINE_CUDAGRAPH", "0")
+    monkeypatch.setenv("PADDLE_HYBRID_CUDA_GRAPH", "0")
     cfg = PluginConfig.from_env()
-    assert cfg.cuda_malloc_async is True and cfg.cuda_graph_warmup_steps == 0 and cfg.pipeline_cudagraph is False
+    assert cfg.cuda_malloc_async is True and cfg.cuda_graph_warmup_steps == 0 and cfg.cuda_graph is False
 
 
 needs_cuda = pytest.mark.skipif(

@@ -140,11 +140,11 @@ def main(argv=None):
     if args.upstream:
         # Paddle's own wrapper, for contrast (its queue logic run eagerly, as
         # PADDLE_DEBUG_CUDAGRAPHEDLAYER_FALLBACK_TO_DEFAULT=1 does on CPU).
-        paddle_hybrid.uninstall_component("cuda_graph.pipeline")
+        paddle_hybrid.uninstall_component("cuda_graph")
         try:
             out["upstream"] = run_upstream(args, hcg)
         finally:
-            paddle_hybrid.install_component("cuda_graph.pipeline", paddle_hybrid.current_config())
+            paddle_hybrid.install_component("cuda_graph", paddle_hybrid.current_config())
 
     from paddle_hybrid.testing import save_result
 

@@ -9,9 +9,9 @@ import paddle
 import pytest
 
 import paddle_hybrid
-from paddle_hybrid.registry import install as _install
+from paddle_hybrid.catalog import install as _install
 from paddle_hybrid.config import PluginConfig
-from paddle_hybrid.dygraph.expert_parallel import all_to_all
+from paddle_hybrid.gloo import all_to_all
 from paddle_hybrid.registry.gate import decide
 
 

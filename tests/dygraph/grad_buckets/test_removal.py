@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 
 import paddle_hybrid
-from paddle_hybrid.registry import install as _install
+from paddle_hybrid.catalog import install as _install
 from bucket_fakes import bucket_code_calls
 
 COMPONENT = "grad_buckets"

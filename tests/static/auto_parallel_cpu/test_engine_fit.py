@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @functools.lru_cache(maxsize=None)
 def run(deferred_sync):
     return launch(os.path.join(HERE, "worker_engine.py"), nprocs=2, timeout=240,
-                  env={"PADDLE_HYBRID_RESHARD_DEFERRED_SYNC": "1" if deferred_sync else "0",
+                  env={"PADDLE_HYBRID_RESHARD": "1" if deferred_sync else "0",
                        "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT": "60"})
 
 

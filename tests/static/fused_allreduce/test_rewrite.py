@@ -9,7 +9,7 @@ import models
 import paddle_hybrid
 from paddle_hybrid import ops
 from paddle_hybrid.static.fused_allreduce import FuseAllreduceConfig, apply_fuse_allreduce, broadcast_parameters
-from paddle_hybrid.common.program_edit import count_syncs
+from paddle_hybrid.testing.sync_count import count_syncs
 from paddle_hybrid.testing.static_programs import program_signature
 
 
@@ -174,10 +174,10 @@ def test_paddle_pass_goes_with_uninstall():
     from paddle.distributed.passes import new_pass
 
     config = paddle_hybrid.current_config()
-    paddle_hybrid.uninstall_component("registration")
+    paddle_hybrid.uninstall_component("fused_allreduce")
     try:
         with pytest.raises(AssertionError, match="ph_fuse_allreduce is not registered"):
             new_pass("ph_fuse_allreduce", {})
     finally:
-        paddle_hybrid.install_component("registration", config)
+        paddle_hybrid.install_component("fused_allreduce", config)
     assert new_pass("ph_fuse_allreduce", {}).name == "ph_fuse_allreduce"

@@ -10,7 +10,7 @@ import pytest
 import paddle_hybrid
 from paddle_hybrid import PluginConfig
 from paddle_hybrid.static.reshard import deferred as reshard_patch
-from paddle_hybrid.common.program_edit import count_syncs
+from paddle_hybrid.testing.sync_count import count_syncs
 
 from paddle_hybrid.testing.static_programs import (
     build_auto_parallel_program,
@@ -108,15 +108,15 @@ def test_uninstall_restores_stock(plugin_reshard):
 
 def test_config_switch_off(plugin_reshard):
     paddle_hybrid.uninstall_component("reshard")
-    paddle_hybrid.install_component("reshard", dataclasses.replace(PluginConfig(), reshard_deferred_sync=False))
+    paddle_hybrid.install_component("reshard", dataclasses.replace(PluginConfig(), reshard=False))
     assert not reshard_patch.is_installed()
 
 
 def test_env_switch(monkeypatch):
-    monkeypatch.setenv("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", "0")
-    assert PluginConfig.from_env().reshard_deferred_sync is False
-    monkeypatch.setenv("PADDLE_HYBRID_RESHARD_DEFERRED_SYNC", "maybe")
-    with pytest.raises(ValueError, match="PADDLE_HYBRID_RESHARD_DEFERRED_SYNC"):
+    monkeypatch.setenv("PADDLE_HYBRID_RESHARD", "0")
+    assert PluginConfig.from_env().reshard is False
+    monkeypatch.setenv("PADDLE_HYBRID_RESHARD", "maybe")
+    with pytest.raises(ValueError, match="PADDLE_HYBRID_RESHARD"):
         PluginConfig.from_env()
 
 

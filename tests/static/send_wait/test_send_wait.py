@@ -15,7 +15,7 @@ import pytest
 
 import paddle_hybrid
 from paddle_hybrid import ops
-from paddle_hybrid.common.program_edit import count_syncs
+from paddle_hybrid.testing.sync_count import count_syncs
 from paddle_hybrid.static.send_wait import (apply_pipeline_send_wait, check_send_lifetimes, forward_sends,
                                      matching_backward_recv, phase)
 from paddle_hybrid.testing.static_programs import build_pipeline_program, program_signature
@@ -145,7 +145,7 @@ def test_meta_optimizer_registered_and_reversible():
 
 def test_paddle_pass_equals_the_function_and_goes_with_uninstall():
     """``new_pass("ph_pipeline_send_wait")`` through Paddle's PassManager gives the program the
-    plain function gives; uninstalling the registration component unregisters it."""
+    plain function gives; uninstalling the send_wait component unregisters it."""
     from paddle.distributed.passes import PassManager, new_pass
 
     with paddle.pir_utils.OldIrGuard():
@@ -161,12 +161,12 @@ def test_paddle_pass_equals_the_function_and_goes_with_uninstall():
     with pytest.raises(ValueError, match="takes no attributes"):
         new_pass("ph_pipeline_send_wait", {"schedule": "1F1B"}).apply([by_pass], [None])
     config = paddle_hybrid.current_config()
-    paddle_hybrid.uninstall_component("registration")
+    paddle_hybrid.uninstall_component("send_wait")
     try:
         with pytest.raises(AssertionError, match="not registered"):
             new_pass("ph_pipeline_send_wait")
     finally:
-        paddle_hybrid.install_component("registration", config)
+        paddle_hybrid.install_component("send_wait", config)
     assert new_pass("ph_pipeline_send_wait").name == "ph_pipeline_send_wait"
 
 

@@ -18,7 +18,7 @@ FLAGS = ["--steps", "12", "--log-every", "100", "--corpus-chars", "20000"]
 
 
 def _run(repo_root, stages, *flags, send_wait=None):
-    env = {} if send_wait is None else {"PADDLE_HYBRID_PIPELINE_SEND_WAIT": "1" if send_wait else "0"}
+    env = {} if send_wait is None else {"PADDLE_HYBRID_SEND_WAIT": "1" if send_wait else "0"}
     return launch(os.path.join(repo_root, "examples", "static_pipeline.py"), nprocs=stages,
                   args=FLAGS + ["--stages", str(stages), *flags], timeout=240, env=env)
 

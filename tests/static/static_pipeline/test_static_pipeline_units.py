@@ -9,10 +9,11 @@ import pytest
 
 import paddle_hybrid
 from paddle_hybrid import ops
-from paddle_hybrid.registry import install as _install
+from paddle_hybrid.catalog import install as _install
 from paddle_hybrid.config import PluginConfig
 from paddle_hybrid.static.send_wait import apply_pipeline_send_wait
-from paddle_hybrid.static.static_pipeline import lowering, rings, runner
+from paddle_hybrid.gloo import rings
+from paddle_hybrid.static.static_pipeline import lowering, runner
 from paddle_hybrid.registry.gate import decide
 from paddle_hybrid.static.static_pipeline.schedule import BACKWARD, FORWARD, LR, OPTIMIZER, job_order
 from paddle_hybrid.testing.static_programs import build_pipeline_program
@@ -93,7 +94,7 @@ def test_lowering_replaces_p2p_and_syncs_only(fake_rings, schedule):
     with paddle.pir_utils.OldIrGuard():
         apply_pipeline_send_wait(section)
         before = [op.type for op in section.global_block().ops]
-        lowered = lowering.lower_for_gloo(section)
+        lowered = lowering.lower_for_gloo(section, 600.0)
     after = [op.type for op in lowered.global_block().ops]
     assert [op.type for op in section.global_block().ops] == before  # the checked program is untouched
     assert not {"send_v2", "recv_v2", "c_sync_calc_stream", "c_sync_comm_stream"} & set(after)
@@ -108,7 +109,7 @@ def test_lowering_without_ring_names_the_fix(monkeypatch):
     monkeypatch.setattr(rings, "rings", {})
     section = _section()
     with paddle.pir_utils.OldIrGuard(), pytest.raises(RuntimeError, match="Import paddle_hybrid before building"):
-        lowering.lower_for_gloo(section)
+        lowering.lower_for_gloo(section, 600.0)
 
 
 # -- timeouts -----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def run(stages, schedule, send_wait, drop_nop=False, feed=False):
     args = (["--stages", stages, "--schedule", schedule, "--steps", STEPS[stages]] + (["--drop-nop"] if drop_nop else [])
             + (["--feed"] if feed else []))
     return launch(os.path.join(HERE, "worker_pipeline.py"), nprocs=stages, args=args, timeout=240,
-                  env={"PADDLE_HYBRID_PIPELINE_SEND_WAIT": "1" if send_wait else "0",
+                  env={"PADDLE_HYBRID_SEND_WAIT": "1" if send_wait else "0",
                        "PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT": "60"})
 
 

@@ -150,7 +150,7 @@ def main_():
     leftovers = _uninstall_and_look() if args.uninstall_after else None
     save_result({"stage": stage, "losses": losses, "params": params,
                  "checker": checked, "ph_nops": op_types.count(ops.NOP_OP), "leftovers": leftovers,
-                 "sends": op_types.count("send_v2"), "send_wait_env": os.environ.get("PADDLE_HYBRID_PIPELINE_SEND_WAIT")})
+                 "sends": op_types.count("send_v2"), "send_wait_env": os.environ.get("PADDLE_HYBRID_SEND_WAIT")})
 
 
 def _first_step_error(exe, main, loss, loader, place, steps, stage) -> dict:
@@ -175,7 +175,7 @@ def _uninstall_and_look() -> dict:
     import gc
     import threading
 
-    from paddle_hybrid.static.static_pipeline import rings
+    from paddle_hybrid.gloo import rings
 
     def plugin_threads():
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("ph-") and t.is_alive())

@@ -1,14 +1,15 @@
-"""Every component of the plugin, in install order (uninstalled in reverse).
+"""The layer above the features: every component of the plugin, in install order (uninstalled in
+reverse), and their installation all or none (:mod:`.install`).
 
 The list is read from each feature's declaration (its package's ``COMPONENT``), so adding a
-feature is one line here and nothing else in the registry.
+feature is one line here and nothing else.
 """
 from __future__ import annotations
 
 from ..cpu_blas import COMPONENT as cpu_blas
 from ..dygraph.agreement import COMPONENT as agreement
 from ..dygraph.cpu import COMPONENT as cpu
-from ..dygraph.cuda_graph import COMPONENT as cuda_graph_pipeline
+from ..dygraph.cuda_graph import COMPONENT as cuda_graph
 from ..dygraph.cuda_malloc_async import COMPONENT as cuda_malloc_async
 from ..dygraph.expert_parallel import COMPONENT as expert_parallel
 from ..dygraph.fleet_fixes import COMPONENT as fleet_fixes
@@ -16,15 +17,17 @@ from ..dygraph.grad_buckets import COMPONENT as grad_buckets
 from ..dygraph.paddleformers_fixes import COMPONENT as paddleformers_fixes
 from ..dygraph.timeline import COMPONENT as timeline
 from ..static.auto_parallel_cpu import COMPONENT as auto_parallel_cpu
-from ..static.registration import COMPONENT as registration
+from ..static.fused_allreduce import COMPONENT as fused_allreduce
 from ..static.reshard import COMPONENT as reshard
+from ..static.send_wait import COMPONENT as send_wait
 from ..static.static_pipeline import COMPONENT as static_pipeline
 
 __all__ = ["COMPONENTS"]
 
 COMPONENTS = [
     cpu_blas,  # first: MKL reads its CPU setting at the first BLAS call
-    registration,
+    fused_allreduce,
+    send_wait,
     reshard,
     cpu,
     expert_parallel,
@@ -34,7 +37,7 @@ COMPONENTS = [
     auto_parallel_cpu,
     grad_buckets,  # after fleet_fixes: both wrap HybridParallelOptimizer._hybrid_sync_grad
     agreement,  # after grad_buckets: its fleet.distributed_model wrapper is outermost, so it checks first
-    cuda_graph_pipeline,
+    cuda_graph,
     cuda_malloc_async,
     timeline,
 ]

@@ -11,7 +11,7 @@ neighbours.
    an *earlier* group.  The window lies inside one C++ call, so barriers and retries
    cannot close it.  Patch: ``collective._new_process_group_impl`` hands every new gloo
    group a view of the job's store whose keys carry a prefix unique to the group id
-   (:mod:`paddle_hybrid.common.prefix_store`): no group reads another's keys, and no store of
+   (:mod:`paddle_hybrid.gloo.prefix_store`): no group reads another's keys, and no store of
    its own is opened (no listening socket).
    Before the rendezvous the group's ranks meet in the job's store (each adds its bit to a
    presence counter, :mod:`paddle_hybrid.common.exchange`), for at most ``PluginConfig.timeout``
@@ -23,17 +23,17 @@ neighbours.
    in one pipeline group desynchronises the tags (PP >= 3 hangs).  Patch:
    ``HybridCommunicateGroup.__init__`` also creates one 2-rank group per pair of ring
    neighbours, in the same order on every rank, after fleet's own groups, when the pipeline
-   group is gloo (on NCCL/BKCL nothing is added); :mod:`.p2p` sends through them.
+   group is gloo (on NCCL/BKCL nothing is added); fleet's pipeline p2p on CPU
+   (:mod:`paddle_hybrid.dygraph.cpu.p2p`) sends through them (:func:`pair_group`).
 """
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
-from ...common import exchange
-from ...common.prefix_store import prefix_store
-from ...registry.device import is_gloo
+from ..common import exchange
+from ..registry.device import is_gloo
+from .prefix_store import prefix_store
 
 __all__ = ["apply", "pair_group", "pair_list", "PAIR_GROUPS_ATTR"]
 
@@ -47,13 +47,6 @@ _RENDEZVOUS_PREFIX = "paddle_hybrid/gloo_group/{}/rendezvous/"
 # ---------------------------------------------------------------------------
 # 1. a rendezvous of its own per gloo group
 # ---------------------------------------------------------------------------
-
-def _deadline() -> float:
-    from . import COMPONENT  # the cpu component's config, set while it is installed
-
-    config = COMPONENT.config
-    return float(config.timeout) if config is not None else float(os.getenv("FLAGS_stop_check_timeout", "900"))
-
 
 def _members_being_created(world_size: int):
     """Global ranks of the group Paddle's ``new_group`` is creating (its sorted local ``ranks``,
@@ -86,9 +79,9 @@ def _meet(store, rank, world_size, group_id, timeout: float, members) -> None:
         "PADDLE_HYBRID_TIMEOUT.")
 
 
-def _group_store(store, rank, world_size, group_id):
-    """The view of the job's store the new group rendezvouses on, once all its ranks are there."""
-    timeout = _deadline()
+def _group_store(store, rank, world_size, group_id, timeout: float):
+    """The view of the job's store the new group rendezvouses on, once all its ranks are there
+    (each within ``timeout`` seconds)."""
     members = _members_being_created(world_size)
     _meet(store, rank, world_size, group_id, timeout, members)
     places = [f"rank {m}" for m in members] if members else [f"group rank {i}" for i in range(world_size)]
@@ -96,13 +89,13 @@ def _group_store(store, rank, world_size, group_id):
                         f"rendezvous of gloo group {group_id} (deadline PADDLE_HYBRID_TIMEOUT)", places)
 
 
-def _make_new_pg_impl(orig_impl):
+def _make_new_pg_impl(orig_impl, timeout: float):
     @functools.wraps(orig_impl)
     def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options,
                                 group_id=0, *args, **kwargs):
         # The group does not exist yet, so its backend name is what says whether it is gloo.
         if backend == "gloo" and group_id != 0 and world_size > 1 and store is not None:
-            store = _group_store(store, rank, world_size, group_id)
+            store = _group_store(store, rank, world_size, group_id, timeout)
         return orig_impl(backend, store, rank, world_size, group_name, pg_options, group_id,
                          *args, **kwargs)
 
@@ -153,19 +146,21 @@ def pair_group(hcg, peer):
     groups = getattr(hcg, PAIR_GROUPS_ATTR, None)
     if groups is None:
         raise RuntimeError(
-            "paddle_hybrid.dygraph.cpu: the hybrid communicate group was built before paddle_hybrid was "
+            "paddle_hybrid.gloo: the hybrid communicate group was built before paddle_hybrid was "
             "installed, so it has no per-neighbour p2p groups (gloo needs them). "
             "Import paddle_hybrid before fleet.init()."
         )
     try:
         return groups[peer]
     except KeyError:
-        raise RuntimeError(f"paddle_hybrid.dygraph.cpu: no p2p group with rank {peer}; known peers "
+        raise RuntimeError(f"paddle_hybrid.gloo: no p2p group with rank {peer}; known peers "
                            f"{sorted(groups)} (pair groups are made only when the pipeline group is "
                            "gloo).") from None
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
+    """Every new gloo group meets on its own keys of the job's store within ``config.timeout``
+    seconds; a hybrid communicate group with a gloo pipeline makes its per-neighbour pair groups."""
     import paddle.distributed.collective as collective
     from paddle.distributed.fleet.base import topology
 
@@ -175,5 +170,18 @@ def apply(patcher) -> None:
     patcher.check_params(collective._new_process_group_impl,
                          ["backend", "store", "rank", "world_size", "group_name", "pg_options", "group_id",
                           "nccl_comm_init_option", "nccl_config"], "collective._new_process_group_impl")
-    patcher.set(collective, "_new_process_group_impl", _make_new_pg_impl(collective._new_process_group_impl))
+    patcher.set(collective, "_new_process_group_impl", _make_new_pg_impl(collective._new_process_group_impl,
+                                                                           float(config.timeout)))
     patcher.set(hcg_cls, "__init__", _make_hcg_init(hcg_cls.__init__))
+
+
+def ensure_process_group() -> None:
+    """Create the job's default group (ring 0 of a static program: gloo on CPU, NCCL on a GPU)
+    and with it the job's TCP store, once, if there is more than one rank."""
+    import paddle
+    import paddle.distributed as dist
+
+    if dist.get_world_size() <= 1 or dist.is_initialized():
+        return
+    with paddle.base.dygraph.guard():
+        dist.init_parallel_env()

@@ -1,10 +1,11 @@
 """The one registry of what the plugin changes in Paddle: install all or none, undo all.
 
-Every feature that touches Paddle declares a :class:`~.component.Component`; :mod:`.catalog`
-lists them in install order.  Policy:
+Every feature that touches Paddle declares a :class:`~paddle_hybrid.registry.component.Component`;
+:mod:`paddle_hybrid.catalog` lists them in install order.  Policy:
 
-* whether a component is wanted is its switch field's answer from :func:`.gate.decide` (and its
-  own ``not_wanted``, if any); the gate's reason is what ``report()`` says of it;
+* whether a component is wanted is its switch field's answer from
+  :func:`paddle_hybrid.registry.gate.decide` (and its own ``not_wanted``, if any); the gate's reason
+  is what ``report()`` says of it;
 * on a Paddle version a component was not verified on, it is skipped with a warning naming the
   version and the switch that forces it (``PADDLE_HYBRID_FORCE=<name>[,<name>...]`` or ``all``);
   ``import paddle_hybrid`` never fails for that reason;
@@ -13,23 +14,25 @@ lists them in install order.  Policy:
 * :func:`uninstall` restores every original, newest first; the :func:`install` after it reads
   the environment again;
 * two components may wrap one attribute, and either may be uninstalled first: the other's
-  wrapper keeps working (:mod:`.patching`, "Two owners of one attribute").
+  wrapper keeps working (:mod:`paddle_hybrid.registry.patching`, "Two owners of one attribute").
 
+One component installs and undoes itself (:meth:`Component.install`, :meth:`Component.uninstall`);
+this module keeps the order, the config of the whole plugin and the all-or-none rule.
 :func:`report` says what is active and why the rest is not, then every gated path of the device
 rule; :func:`patches` lists every replaced attribute with its original, its replacement and the
 versions it was verified on.
 """
 from __future__ import annotations
 
-import sys
+import dataclasses
 import threading
 import warnings
 
 from ..config import PluginConfig
-from . import gate
-from .catalog import COMPONENTS
-from .component import Component, ComponentSkipped, ComponentState
-from .patching import Patcher, describe_versions, version_supported
+from ..registry import gate
+from ..registry.component import Component, ComponentSkipped, ComponentState
+from ..registry.patching import describe_versions
+from . import COMPONENTS
 
 __all__ = ["COMPONENTS", "install", "uninstall", "installed_components", "current_config", "report",
            "patches", "component_state", "install_component", "uninstall_component", "is_verified",
@@ -40,12 +43,13 @@ class InstallError(RuntimeError):
     """A component failed to install; nothing of the plugin is installed."""
 
 
-for _component in COMPONENTS:  # each feature reaches the registry through its own declaration
-    _component.registry = sys.modules[__name__]
-
 _lock = threading.RLock()
-_installed: list[Component] = []  # components with a state, in install order
 _config: PluginConfig | None = None
+
+
+def _installed() -> list[Component]:
+    """Components with a state (installed, off or skipped), in install order."""
+    return [c for c in COMPONENTS if c.state is not None]
 
 
 def _resolve(name) -> Component:
@@ -63,59 +67,7 @@ def _resolve(name) -> Component:
 def is_verified(component, config: PluginConfig | None = None) -> tuple[bool, str]:
     """``(ok, message)``: may ``component`` change this Paddle?  ``message`` says why not,
     naming the version and the switch that forces it."""
-    import paddle
-
-    component = _resolve(component)
-    config = config or _config or PluginConfig.from_env()
-    forced = "all" in config.force_unverified or component.name in config.force_unverified
-    if forced or version_supported(paddle.__version__, component.verified_paddle):
-        return True, ""
-    return False, (f"{component.name}: verified on Paddle {describe_versions(component.verified_paddle)}, this is "
-                   f"{paddle.__version__}; skipped. Set PADDLE_HYBRID_FORCE={component.name} to install it "
-                   f"anyway, or {component.off_switch} to silence this.")
-
-
-def _wanted(component: Component, config: PluginConfig) -> str | None:
-    """Why ``config`` does not want ``component`` here, or None."""
-    decision = gate.decide(config, component.switch)
-    if not decision.on:
-        return component.off_reason or decision.reason
-    if component.not_wanted is not None:
-        return component.not_wanted(config)
-    return None
-
-
-def _install_one(component: Component, config: PluginConfig) -> ComponentState:
-    """Phases: wanted? verified? apply (undone on any failure)."""
-    reason = _wanted(component, config)
-    if reason:
-        return ComponentState("off", reason, config=config)
-    ok, message = is_verified(component, config)
-    if not ok:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return ComponentState("skipped", message, config=config)
-    patcher = Patcher(f"paddle_hybrid {component.name}", component.off_switch)
-    try:
-        note = component.apply(config, patcher)
-    except ComponentSkipped as skipped:
-        patcher.revert()
-        message = f"{component.name}: {skipped} ({component.off_switch} silences this)"
-        warnings.warn(message, getattr(skipped, "category", RuntimeWarning), stacklevel=3)
-        return ComponentState("skipped", message, config=config)
-    except BaseException:
-        patcher.revert()
-        raise
-    gated = gate.decide(config, component.switch)
-    return ComponentState("active", note or gated.reason, patcher, config)
-
-
-def _set_state(component: Component, state: ComponentState | None) -> None:
-    component.state = state
-    if component in _installed:
-        _installed.remove(component)
-    if state is not None:
-        _installed.append(component)
-        _installed.sort(key=COMPONENTS.index)
+    return _resolve(component).is_verified(config or _config or PluginConfig.from_env())
 
 
 def install(config: PluginConfig | None = None) -> PluginConfig:
@@ -131,20 +83,35 @@ def install(config: PluginConfig | None = None) -> PluginConfig:
                 raise RuntimeError("paddle_hybrid is already installed with another config; call "
                                    "paddle_hybrid.uninstall() before installing with a new one.")
             return _config
-        config = config if config is not None else PluginConfig.from_env()
+        config = _with_renamed_components(config if config is not None else PluginConfig.from_env())
         _check_forced_names(config)
         _config = config
         for component in COMPONENTS:
             if component.state is not None:  # installed on its own before (install_component, timeline.enable)
                 continue
             try:
-                _set_state(component, _install_one(component, config))
+                component.install(config)
             except BaseException as exc:
                 _rollback()
                 raise InstallError(
                     f"paddle_hybrid: installing {component.name} failed: {exc}. Nothing of the plugin is installed "
                     f"(every change was undone). {component.off_switch} turns this component off.") from exc
         return config
+
+
+RENAMED_COMPONENTS = {"cuda_graph.pipeline": "cuda_graph"}
+"""Component names before each took its feature's name (still taken by ``PADDLE_HYBRID_FORCE``)."""
+
+
+def _with_renamed_components(config: PluginConfig) -> PluginConfig:
+    """``config`` with old component names in ``force_unverified`` replaced, with a warning."""
+    old = [n for n in config.force_unverified if n in RENAMED_COMPONENTS]
+    if not old:
+        return config
+    warnings.warn(f"paddle_hybrid: the components {old} are named {[RENAMED_COMPONENTS[n] for n in old]} now; "
+                  "use the new names in PADDLE_HYBRID_FORCE.", DeprecationWarning, stacklevel=4)
+    names = tuple(RENAMED_COMPONENTS.get(n, n) for n in config.force_unverified)
+    return dataclasses.replace(config, force_unverified=names)
 
 
 def _check_forced_names(config: PluginConfig) -> None:
@@ -155,21 +122,14 @@ def _check_forced_names(config: PluginConfig) -> None:
                          f"{unknown}, which are not components; use some of {sorted(known)}.")
 
 
-def _undo(component: Component) -> None:
-    state, component.state = component.state, None
-    if state is not None and state.patcher is not None:
-        state.patcher.revert()
-
-
 def _undo_all() -> list[str]:
     """Undo every installed component, newest first, each even if an earlier undo failed;
     returns the failures."""
     global _config
     failures = []
-    while _installed:
-        component = _installed.pop()
+    for component in reversed(_installed()):
         try:
-            _undo(component)
+            component.uninstall()
         except Exception as exc:  # keep undoing the rest
             failures.append(f"{component.name}: {exc!r}")
     _config = None
@@ -198,18 +158,18 @@ def install_component(name, config: PluginConfig | None = None) -> ComponentStat
     for turning one feature off and on without touching the others."""
     component = _resolve(name)
     with _lock:
-        uninstall_component(component)
-        state = _install_one(component, config or _config or PluginConfig.from_env())
-        _set_state(component, state)
-        return state
+        return component.install(config or _config or PluginConfig.from_env())
 
 
 def uninstall_component(name) -> None:
+    """Undo one component; while the plugin is installed it stays listed, off, with the plugin's
+    config (what the timeline's ``enable`` installs it again with)."""
     component = _resolve(name)
     with _lock:
-        if component in _installed:
-            _installed.remove(component)
-        _undo(component)
+        component.uninstall()
+        if _config is not None:
+            component.state = ComponentState("off", "uninstalled on its own (paddle_hybrid.uninstall_component)",
+                                             config=_config)
 
 
 def component_state(name) -> ComponentState | None:
@@ -218,7 +178,7 @@ def component_state(name) -> ComponentState | None:
 
 def installed_components() -> list[str]:
     """Names of the active components, in install order."""
-    return [c.name for c in _installed if c.is_active()]
+    return [c.name for c in _installed() if c.is_active()]
 
 
 def current_config() -> PluginConfig | None:
@@ -229,7 +189,7 @@ def patches() -> list[dict]:
     """Every Paddle attribute the active components replaced: component, owner, name,
     original, replacement, verified versions."""
     out = []
-    for component in _installed:
+    for component in _installed():
         if component.patcher is None:
             continue
         for owner, name, original, replacement in component.patcher.changes():
@@ -244,7 +204,7 @@ def report() -> str:
     one line per gated path, on or off on this build and why."""
     import paddle
 
-    from .device import accelerator_build
+    from ..registry.device import accelerator_build
 
     accelerator = accelerator_build()
     lines = [f"paddle_hybrid on Paddle {paddle.__version__} ({accelerator or 'CPU-only'} build):"]

@@ -2,7 +2,7 @@
 (``PADDLE_HYBRID_TIMEOUT``, default 600 s) instead of gloo's own 30 s.
 
 Stock Paddle creates every CPU group with gloo's default timeout and has no setting for it
-(:mod:`paddle_hybrid.common.gloo_timeout` says where it lives), so one rank pausing 40 s for a
+(:mod:`paddle_hybrid.gloo.context_timeout` says where it lives), so one rank pausing 40 s for a
 checkpoint kills the job with a raw gloo ``TIMEOUT``.  Patch: ``_new_process_group_impl``, which
 creates every dygraph group (``new_group``, and ``init_parallel_env``'s global group through the
 name ``paddle.distributed.parallel`` imported), sets the timeout of each new gloo group to the
@@ -19,7 +19,7 @@ import inspect
 import threading
 import warnings
 
-from ...common import gloo_timeout
+from . import context_timeout as gloo_timeout
 
 __all__ = ["apply"]
 
@@ -73,7 +73,7 @@ def _make_new_group(original):
     return new_group
 
 
-def apply(patcher, config) -> None:
+def apply(config, patcher) -> None:
     """Phases: can this Paddle's gloo timeout be set at all? then both names of the creator, then
     both names of ``new_group`` (for a caller's timeout)."""
     import paddle.distributed.collective as collective

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from ...registry.device import is_gloo
+from ..registry.device import is_gloo
 
 __all__ = ["apply", "reduce_scatter_by_all_reduce", "DoneTask"]
 
@@ -78,7 +78,7 @@ def _make_list_form(orig):
     return _reduce_scatter_in_dygraph
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     import importlib
 
     # The package re-exports a function of the same name; the module is what we patch.

@@ -50,7 +50,8 @@ import functools
 import re
 import time
 
-from ...common import exchange, gloo_timeout
+from ..common import exchange
+from . import context_timeout as gloo_timeout
 
 __all__ = ["apply", "GlooTimeoutError", "GlooPeerLostError", "OPERATIONS", "naming_window", "is_gloo_timeout",
            "lost_peer_before"]
@@ -273,7 +274,7 @@ def _make_named(operation: str, original, config):
     return named
 
 
-def apply(patcher, config) -> None:
+def apply(config, patcher) -> None:
     """Phase: wrap each communication method ``core.ProcessGroupGloo`` has (inherited from
     ``ProcessGroup``; the wrapper is set on the gloo class only, so NCCL/BKCL groups are untouched)."""
     from paddle.base import core

@@ -1,6 +1,7 @@
-"""Run :mod:`.dying_rank_script` under ``python -m paddle_hybrid.launch`` (or another launcher)
-with 2 ranks and read what the launcher reported: used by ``tests/launch/test_root_cause.py`` and
-``benchmarks/bench_launch_root_cause.py``."""
+"""Run ``dying_rank_script.py`` (next to this file) under ``python -m paddle_hybrid.launch`` (or
+another launcher) with 2 ranks and read what the launcher reported: a fixture of
+``tests/launch/test_root_cause.py`` and ``benchmarks/bench_launch_root_cause.py`` (which puts
+``tests/launch`` on ``sys.path`` to import it), not part of the package."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))  # the folder holding the package, for the workers' PYTHONPATH
-SCRIPT = os.path.join(HERE, "dying_rank_script.py")
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/launch
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository, holding the package: the workers' PYTHONPATH
+SCRIPT = os.path.join(HERE, "dying_rank_script.py")  # run by path, from this folder
 TIMEOUT = 120
 
 # paddle_hybrid.launch: root cause: rank N exited with code C at 2026-11-25 03:55:08.408 (reason)

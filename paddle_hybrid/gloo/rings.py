@@ -19,7 +19,7 @@ Why a rendezvous of its own per ring: several gloo contexts rendezvousing on the
 store mixed up the rank order of later rings and sometimes timed out on one rank only
 (RESEARCH.md): gloo writes the same keys for every context.  Each ring rendezvouses on a view of
 the job's store whose keys carry a prefix unique to this call
-(:mod:`paddle_hybrid.common.prefix_store`; every rank calls ``_init_communicator`` the same number
+(:mod:`paddle_hybrid.gloo.prefix_store`; every rank calls ``_init_communicator`` the same number
 of times in the same order, members or not, so a per-process call counter names the call alike
 on every rank).  No store of its own, so no listening socket of its own.
 
@@ -36,7 +36,7 @@ import threading
 DEADLINE_SETTING = "PADDLE_HYBRID_TIMEOUT (or PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT when set)"
 
 __all__ = ["DEADLINE_SETTING", "RingTimeoutError", "RingInfo", "rings", "make_init_communicator",
-           "make_init_process_group", "ring_size", "ring", "ring_store", "close_all"]
+           "make_init_process_group", "ring", "ring_store", "close_all"]
 
 _PREFIX = "paddle_hybrid/static_ring/{call}/{ring}/"
 _GROUP_ID_BASE = 1 << 20  # process-group ids of the rings, clear of paddle.distributed's own
@@ -68,11 +68,6 @@ rings: dict = {}
 _calls = itertools.count()
 
 
-def ring_size(ring_id: int) -> int:
-    """Number of ranks of ring ``ring_id``; raises naming the fix when this process has no such ring."""
-    return ring(ring_id).nranks
-
-
 def ring(ring_id: int) -> RingInfo:
     """The :class:`RingInfo` of ``ring_id``; raises naming the fix when this process has no such ring."""
     info = rings.get(ring_id)
@@ -89,7 +84,7 @@ def _set_deadline(group, timeout: float) -> None:
     where this Paddle does not allow it, gloo's 30 s stays and one warning says so."""
     import warnings
 
-    from ...common import gloo_timeout
+    from . import context_timeout as gloo_timeout
 
     try:
         gloo_timeout.set_timeout_ms(group, int(timeout * 1000))
@@ -101,7 +96,7 @@ def _set_deadline(group, timeout: float) -> None:
 def _global_store():
     from paddle.base import core
 
-    from ..fused_allreduce.runner import ensure_process_group
+    from .groups import ensure_process_group
 
     from paddle.distributed import collective
 
@@ -113,7 +108,7 @@ def _global_store():
 def ring_store(info: RingInfo, call, timeout: float):
     """The view of the job's store ring ``info`` rendezvouses on; ``call`` names this creation
     alike on every rank, ``timeout`` bounds its waits."""
-    from ...common.prefix_store import prefix_store
+    from .prefix_store import prefix_store
 
     return prefix_store(_global_store(), _PREFIX.format(call=call, ring=info.ring_id), timeout,
                         f"the rendezvous of ring {info.ring_id} (every rank must build the same program with the "
@@ -180,7 +175,7 @@ def make_init_communicator(original, timeout_of):
     @functools.wraps(original)
     def _init_communicator(self, program, current_endpoint, endpoints, rank, ring_id, wait_port,
                            global_ring_id=None, sync=True):
-        from ...registry import device
+        from ..registry import device
 
         if device.cuda_build() or device.xpu_build() or not getattr(_pipeline_init, "active", False):
             return original(self, program, current_endpoint, endpoints, rank, ring_id, wait_port,

@@ -43,16 +43,19 @@ import functools
 import os
 import socket
 
-from ...common.sockets import socket_fds
+from .sockets import socket_fds
 
 __all__ = ["apply", "FLAG"]
 
 FLAG = "FLAGS_tcp_store_using_libuv"
 
 
-def apply(patcher) -> None:
-    """Phases: choose the classic server; wrap the store's creation to turn Nagle off."""
+def apply(config, patcher) -> None:
+    """Phases: choose the classic server; wrap the store's creation to turn Nagle off (unless
+    ``config.store_nodelay`` is False)."""
     _choose_classic_server(patcher)
+    if not config.store_nodelay:
+        return
     from paddle.base import core
 
     patcher.set(core, "create_or_get_global_tcp_store", _make_create_or_get(core.create_or_get_global_tcp_store))
@@ -84,7 +87,7 @@ def _choose_classic_server(patcher) -> None:
 
 def _set_nodelay_on_new_sockets(before: dict) -> None:
     """Set ``TCP_NODELAY`` on every TCP socket of this process not in ``before`` (a
-    :func:`~paddle_hybrid.common.sockets.socket_fds` result)."""
+    :func:`~paddle_hybrid.gloo.sockets.socket_fds` result)."""
     for inode, fd in (socket_fds() or {}).items():
         if inode in before:
             continue
@@ -99,13 +102,6 @@ def _set_nodelay_on_new_sockets(before: dict) -> None:
             sock.detach()
 
 
-def _nodelay_wanted() -> bool:
-    from . import COMPONENT  # the cpu component's config, set while it is installed
-
-    config = COMPONENT.config
-    return config is None or config.store_nodelay
-
-
 def _make_create_or_get(original):
     first_call = [True]  # only the first call can make the store: later ones skip the /proc walks
 
@@ -114,9 +110,9 @@ def _make_create_or_get(original):
         if not first_call[0]:
             return original(*args, **kwargs)
         first_call[0] = False
-        before = socket_fds() if _nodelay_wanted() else None
+        before = socket_fds()
         store = original(*args, **kwargs)
-        if before is not None:  # a store that existed already: no new socket, nothing set
+        if before is not None:  # None: no /proc to read; a store that existed already: no new socket
             _set_nodelay_on_new_sockets(before)
         return store
 

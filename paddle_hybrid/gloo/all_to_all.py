@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import functools
 
-from ..cpu.collectives import DoneTask
-from ...registry.device import on_cpu
+from ..registry.device import on_cpu
+from .collectives import DoneTask
 
-__all__ = ["apply", "PATCHED_METHODS", "round_robin_partner", "exchange", "split_sizes"]
+__all__ = ["apply", "PATCHED_METHODS", "round_robin_partner", "exchange", "exchange_single", "split_sizes"]
 
 
 # ---------------------------------------------------------------------------
@@ -166,7 +166,10 @@ def _row_parts(tensor, sizes):
     return parts
 
 
-def _single(pg, out_tensor, in_tensor, out_sizes, in_sizes) -> None:
+def exchange_single(pg, out_tensor, in_tensor, out_sizes, in_sizes) -> None:
+    """``all_to_all_single`` on gloo group ``pg``: dim-0 parts of ``in_tensor`` of sizes ``in_sizes``
+    go to the ranks in order, parts of sizes ``out_sizes`` arrive into ``out_tensor`` (empty sizes:
+    equal parts)."""
     import paddle
 
     nranks = pg.size()
@@ -232,16 +235,16 @@ def _make(original, run, tensors_of):
 PATCHED_METHODS = {
     "all_to_all": (lambda pg, out, inp, sync_op: _tensor_list(pg, out, inp), lambda a: a[:2]),
     "all_to_all_on_calc_stream": (lambda pg, out, inp: _tensor_list(pg, out, inp), lambda a: a[:2]),
-    "all_to_all_tensor": (lambda pg, out, inp, sync_op: _single(pg, out, inp, [], []), lambda a: a[:2]),
-    "all_to_all_tensor_on_calc_stream": (lambda pg, out, inp: _single(pg, out, inp, [], []), lambda a: a[:2]),
-    "all_to_all_single": (lambda pg, out, inp, o, i, sync_op: _single(pg, out, inp, o, i), lambda a: a[:2]),
-    "all_to_all_single_on_calc_stream": (lambda pg, out, inp, o, i: _single(pg, out, inp, o, i), lambda a: a[:2]),
-    "alltoall": (lambda pg, inp, out: _single(pg, out, inp, [], []), lambda a: a[:2]),
-    "alltoall_single": (lambda pg, inp, out, i, o: _single(pg, out, inp, o, i), lambda a: a[:2]),
+    "all_to_all_tensor": (lambda pg, out, inp, sync_op: exchange_single(pg, out, inp, [], []), lambda a: a[:2]),
+    "all_to_all_tensor_on_calc_stream": (lambda pg, out, inp: exchange_single(pg, out, inp, [], []), lambda a: a[:2]),
+    "all_to_all_single": (lambda pg, out, inp, o, i, sync_op: exchange_single(pg, out, inp, o, i), lambda a: a[:2]),
+    "all_to_all_single_on_calc_stream": (lambda pg, out, inp, o, i: exchange_single(pg, out, inp, o, i), lambda a: a[:2]),
+    "alltoall": (lambda pg, inp, out: exchange_single(pg, out, inp, [], []), lambda a: a[:2]),
+    "alltoall_single": (lambda pg, inp, out, i, o: exchange_single(pg, out, inp, o, i), lambda a: a[:2]),
 }
 
 
-def apply(patcher) -> None:
+def apply(config, patcher) -> None:
     from paddle.base import core
 
     gloo = patcher.require(core, "ProcessGroupGloo", "paddle.base.core")
