@@ -1,8 +1,8 @@
-"""How the plugin changes Paddle: components declared by the features (:mod:`.component`), listed
-in install order (:mod:`.catalog`), installed all or none and undone (:mod:`.install`), every
-change through a :class:`~.patching.Patcher`, every on/off question answered by one gate
-(:mod:`.gate`) from the facts of where a run is (:mod:`.device`).
+"""The registry's base, below the features: what a feature declares and how one component
+installs itself (:mod:`.component`), every change through a :class:`~.patching.Patcher`, the
+additions to fleet's and Paddle's own registries (:mod:`.paddle_registries`), every on/off question
+answered by one gate (:mod:`.gate`) from the facts of where a run is (:mod:`.device`).
 
-Nothing is imported here: a feature imports :mod:`.component` while the catalog imports the
-features.
+Its top, above the features, is :mod:`paddle_hybrid.catalog`: the list of every component and
+their installation all or none.  Nothing is imported here.
 """

@@ -23,7 +23,6 @@ the view, nothing is changed globally, and ``patches()`` lists it like any other
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import threading
 import types
@@ -233,16 +232,6 @@ class Patcher:
                 delattr(owner, name)
         else:
             setattr(owner, name, original)
-
-    def apply_modules(self, package: str, names) -> None:
-        """``<package>.<name>.apply(self)`` for every name, in order; all or none: on any
-        error every change made so far is reverted and the error propagates."""
-        try:
-            for name in names:
-                importlib.import_module(f"{package}.{name}").apply(self)
-        except BaseException:
-            self.revert()
-            raise
 
 
 def version_supported(version: str, prefixes) -> bool:

@@ -288,7 +288,9 @@ def _recording_fakes(calls):
 
 # The concerns this file covers, in the component's order (tensor_parallel and sharding have
 # their own device-rule tests).
-_COVERED_CONCERNS = ["device_id", "groups", "p2p", "collectives", "recompute", "timers", "virtual_pipeline"]
+_COVERED_CONCERNS = ["paddle_hybrid.dygraph.cpu.device_id", "paddle_hybrid.gloo.groups", "paddle_hybrid.dygraph.cpu.p2p",
+                     "paddle_hybrid.gloo.collectives", "paddle_hybrid.dygraph.cpu.recompute",
+                     "paddle_hybrid.dygraph.cpu.timers", "paddle_hybrid.dygraph.cpu.virtual_pipeline"]
 
 
 def test_every_replacement_of_the_covered_concerns_has_a_recording_fake(fresh_plugin):
@@ -299,7 +301,7 @@ def test_every_replacement_of_the_covered_concerns_has_a_recording_fake(fresh_pl
     patcher = Patcher("test", "none")
     try:
         for name in _COVERED_CONCERNS:
-            importlib.import_module(f"paddle_hybrid.dygraph.cpu.{name}").apply(patcher)
+            importlib.import_module(name).apply(PluginConfig(), patcher)
         from paddle_hybrid.registry.patching import DeviceAnswers
 
         changes = patcher.changes()

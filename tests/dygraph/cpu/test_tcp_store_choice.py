@@ -32,7 +32,7 @@ def test_the_plugin_chooses_the_classic_store_and_uninstall_gives_it_back(fresh_
 
         patcher = Patcher("test", "PADDLE_HYBRID_CPU")
         try:
-            tcp_store.apply(patcher)
+            tcp_store.apply(PluginConfig(), patcher)
             assert patcher.patched() == [(core, "create_or_get_global_tcp_store")]  # no flag set
         finally:
             patcher.revert()
@@ -54,7 +54,7 @@ def test_a_users_own_setting_is_kept(monkeypatch):
     paddle.set_flags({tcp_store.FLAG: True})
     patcher = Patcher("test", "PADDLE_HYBRID_CPU")
     try:
-        tcp_store.apply(patcher)
+        tcp_store.apply(PluginConfig(), patcher)
         assert _flag() is True
     finally:
         patcher.revert()

@@ -42,7 +42,7 @@ def test_norm_hook_lands_on_the_wrapped_optimizers_clip():
     with pytest.raises(AttributeError, match="_inner_opt"):
         module.Trainer(raw)._wrap_distributed_optimizer(raw)  # the defect
     patcher = Patcher("test", "off")
-    grad_norm_hook.apply(patcher, module)
+    grad_norm_hook.fix(patcher, module)
     try:
         trainer = module.Trainer(raw)
         wrapped = trainer._wrap_distributed_optimizer(raw)
