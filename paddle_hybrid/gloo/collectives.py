@@ -1,15 +1,21 @@
-"""Collectives gloo lacks: reduce_scatter.
+"""Collectives gloo lacks, at Paddle's Python API: reduce_scatter.
 
 ``ProcessGroupGloo`` has no reduce_scatter ("ProcessGroupGLOO does not support
 reduce_scatter with sync_op flag"), which sequence parallelism
 (``sequence_parallel_utils.reduce_scatter``, ``SPInnerOverlapLinear``) and sharding use.
 Patch: ``paddle.distributed.communication.stream.reduce_scatter``'s two dygraph
-implementations (tensor form and list form), on gloo groups only, reduce a copy of the
-whole input with ``all_reduce`` and copy this rank's chunk into the output.  That moves
-``nranks`` times the data of a real reduce_scatter, but the values are the same: the
-chunk of rank ``r`` is the reduction of every rank's chunk ``r``.  The work completes
-inside the call; the returned task's ``wait()`` returns at once.  On any other group (NCCL,
-BKCL, ...) both call Paddle's original unchanged.
+implementations (tensor form and list form), on gloo groups only:
+
+* a sum (and an average: the sum divided by the group's size) runs the ``reduce_scatter`` op on
+  the group, whose CPU kernel is the plugin's ring over gloo (:mod:`.kernels`): each byte is
+  reduced once, each rank sends (n - 1) / n of its input;
+* a max, min or product, which that kernel does not do, and any reduction where the kernel could
+  not be put in place (:func:`.kernels.apply` says so), reduces a copy of the whole input with
+  ``all_reduce`` and keeps this rank's chunk: ``nranks`` times the data, the same values.
+
+The work completes inside the call; the returned task's ``wait()`` returns at once.  On any other
+group (NCCL, BKCL, ...) both call Paddle's original unchanged.  :func:`.kernels.apply` installs
+this, once it knows whether the kernel is there.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import functools
 
 from ..registry.device import is_gloo
 
-__all__ = ["apply", "reduce_scatter_by_all_reduce", "DoneTask"]
+__all__ = ["apply_reduce_scatter", "reduce_scatter_on_gloo", "DoneTask"]
 
 
 class DoneTask:
@@ -37,48 +43,62 @@ class DoneTask:
         return None
 
 
-def reduce_scatter_by_all_reduce(out_tensor, in_tensor, op, group) -> None:
-    """``out_tensor`` (in place) = this rank's dim-0 chunk of ``in_tensor`` reduced over ``group``."""
+def _check_rows(out_tensor, in_tensor, nranks: int) -> None:
+    if in_tensor.shape[0] != out_tensor.shape[0] * nranks:
+        raise ValueError(f"paddle_hybrid.gloo: reduce_scatter input has {in_tensor.shape[0]} rows, expected "
+                         f"{nranks} x the output's {out_tensor.shape[0]}.")
+
+
+def reduce_scatter_on_gloo(out_tensor, in_tensor, op, group, use_kernel: bool) -> None:
+    """``out_tensor`` (in place) = this rank's dim-0 chunk of ``in_tensor`` reduced over ``group``:
+    through the ``reduce_scatter`` kernel for a sum or an average when ``use_kernel``, else by
+    ``all_reduce`` and a slice."""
     import paddle
     import paddle.distributed as dist
 
     nranks, rank = group.nranks, group.rank
-    if in_tensor.shape[0] != out_tensor.shape[0] * nranks:
-        raise ValueError(f"paddle_hybrid.dygraph.cpu: reduce_scatter input has {in_tensor.shape[0]} rows, expected "
-                         f"{nranks} x the output's {out_tensor.shape[0]}.")
+    _check_rows(out_tensor, in_tensor, nranks)
     with paddle.no_grad():
+        if use_kernel and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            chunk = paddle._C_ops.reduce_scatter(in_tensor, group.id, nranks)
+            if op == dist.ReduceOp.AVG:
+                chunk = chunk / nranks
+            paddle.assign(chunk, output=out_tensor)
+            return
         reduced = in_tensor.clone()
         dist.all_reduce(reduced, op=op, group=group)
         rows = out_tensor.shape[0]
         paddle.assign(reduced[rank * rows:(rank + 1) * rows], output=out_tensor)
 
 
-def _make_tensor_form(orig):
+def _make_tensor_form(orig, use_kernel: bool):
     @functools.wraps(orig)
     def _reduce_scatter_tensor_in_dygraph(out_tensor, in_tensor, op, group, sync_op, use_calc_stream,
                                           caller="reduce_scatter"):
         if not is_gloo(group):
             return orig(out_tensor, in_tensor, op, group, sync_op, use_calc_stream, caller)
-        reduce_scatter_by_all_reduce(out_tensor, in_tensor, op, group)
+        reduce_scatter_on_gloo(out_tensor, in_tensor, op, group, use_kernel)
         return DoneTask()
 
     return _reduce_scatter_tensor_in_dygraph
 
 
-def _make_list_form(orig):
+def _make_list_form(orig, use_kernel: bool):
     @functools.wraps(orig)
     def _reduce_scatter_in_dygraph(tensor, tensor_list, op, group, sync_op, use_calc_stream):
         import paddle
 
         if not is_gloo(group):
             return orig(tensor, tensor_list, op, group, sync_op, use_calc_stream)
-        reduce_scatter_by_all_reduce(tensor, paddle.concat(list(tensor_list), axis=0), op, group)
+        reduce_scatter_on_gloo(tensor, paddle.concat(list(tensor_list), axis=0), op, group, use_kernel)
         return DoneTask()
 
     return _reduce_scatter_in_dygraph
 
 
-def apply(config, patcher) -> None:
+def apply_reduce_scatter(patcher, use_kernel: bool) -> None:
+    """Both dygraph implementations of ``stream.reduce_scatter`` on gloo groups (``use_kernel``:
+    the plugin's reduce_scatter kernel is in place)."""
     import importlib
 
     # The package re-exports a function of the same name; the module is what we patch.
@@ -90,5 +110,6 @@ def apply(config, patcher) -> None:
     patcher.check_params(rs._reduce_scatter_in_dygraph,
                          ["tensor", "tensor_list", "op", "group", "sync_op", "use_calc_stream"],
                          "stream.reduce_scatter._reduce_scatter_in_dygraph")
-    patcher.set(rs, "_reduce_scatter_tensor_in_dygraph", _make_tensor_form(rs._reduce_scatter_tensor_in_dygraph))
-    patcher.set(rs, "_reduce_scatter_in_dygraph", _make_list_form(rs._reduce_scatter_in_dygraph))
+    patcher.set(rs, "_reduce_scatter_tensor_in_dygraph",
+                _make_tensor_form(rs._reduce_scatter_tensor_in_dygraph, use_kernel))
+    patcher.set(rs, "_reduce_scatter_in_dygraph", _make_list_form(rs._reduce_scatter_in_dygraph, use_kernel))

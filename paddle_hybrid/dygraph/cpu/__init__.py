@@ -18,7 +18,12 @@ concern                                    what it fixes (details in the module'
                                            sends without Nagle's 40 ms delay
 :mod:`paddle_hybrid.gloo.groups`           gloo group start-up race; per-neighbour p2p groups
 :mod:`.p2p`                                pipeline p2p on the pair groups; batched p2p on gloo
-:mod:`paddle_hybrid.gloo.collectives`      reduce_scatter, which gloo lacks
+:mod:`paddle_hybrid.gloo.kernels`          Paddle's C++ reaches real CPU kernels over gloo for
+                                           reduce_scatter, all_to_all, p_send/p_recv (semi-auto
+                                           reshards, pipelines across meshes), and no
+                                           GetDefaultPlace() crash on the CPU wheel; Paddle's
+                                           Python reduce_scatter on gloo groups uses the kernel
+                                           (:mod:`paddle_hybrid.gloo.collectives`)
 :mod:`.tensor_parallel`                    mp ops without CPU kernels (identity, split, concat,
                                            parallel cross entropy) and the input broadcast
 :mod:`.sharding`                           stage 1 V1/V2 buffers and gradients, group-sharded
@@ -46,7 +51,7 @@ registry skips them with a warning unless forced
 """
 from __future__ import annotations
 
-from ...gloo import collectives, deadline, errors, groups, tcp_store
+from ...gloo import deadline, errors, groups, kernels, tcp_store
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
 from . import (device_id, flex_checkpoint, p2p, recompute, sharding, synchronize, tensor_parallel, timers,
@@ -57,7 +62,7 @@ __all__ = ["COMPONENT", "apply", "is_active", "patched", "CONCERNS", "PatchSigna
 # Applied in this order: groups before p2p, which sends through them; p2p before virtual_pipeline,
 # which is only safe with p2p's ordering; the deadline and the named errors last, around the
 # groups every earlier concern may create.
-CONCERNS = (device_id, synchronize, tcp_store, groups, p2p, collectives, tensor_parallel, sharding, recompute, timers,
+CONCERNS = (device_id, synchronize, tcp_store, groups, p2p, kernels, tensor_parallel, sharding, recompute, timers,
             flex_checkpoint, virtual_pipeline, deadline, errors)
 
 

@@ -289,7 +289,7 @@ def _recording_fakes(calls):
 # The concerns this file covers, in the component's order (tensor_parallel and sharding have
 # their own device-rule tests).
 _COVERED_CONCERNS = ["paddle_hybrid.dygraph.cpu.device_id", "paddle_hybrid.gloo.groups", "paddle_hybrid.dygraph.cpu.p2p",
-                     "paddle_hybrid.gloo.collectives", "paddle_hybrid.dygraph.cpu.recompute",
+                     "paddle_hybrid.gloo.kernels", "paddle_hybrid.dygraph.cpu.recompute",
                      "paddle_hybrid.dygraph.cpu.timers", "paddle_hybrid.dygraph.cpu.virtual_pipeline"]
 
 

@@ -105,15 +105,25 @@ def check_broadcast_input(hcg, rank):
 
 
 def check_reduce_scatter(group, rank, n):
-    # gloo has no reduce_scatter; both forms of dist.reduce_scatter must still be right
+    # gloo has no reduce_scatter; both forms of dist.reduce_scatter must still be right: a sum and
+    # an average through the plugin's kernel (counted), a max through all_reduce and a slice
+    from paddle_hybrid.gloo import kernels
+
     xs = [rng(12, r).standard_normal((2 * n, 3)).astype("float32") for r in range(n)]
     total = sum(xs)
-    out_t, out_l = paddle.zeros([2, 3]), paddle.zeros([2, 3])
+    out_t, out_l, out_avg, out_max = (paddle.zeros([2, 3]) for _ in range(4))
+    before = kernels.calls("ReduceScatterKernel")
     dist.reduce_scatter(out_t, paddle.to_tensor(xs[rank]), group=group)
     dist.reduce_scatter(out_l, list(paddle.split(paddle.to_tensor(xs[rank]), n)), group=group)
-    mine = total[2 * rank:2 * rank + 2]
-    return {"got": {"tensor_form": out_t.numpy(), "list_form": out_l.numpy()},
-            "want": {"tensor_form": mine, "list_form": mine}}
+    # (dist.reduce_scatter asks a CPU build for its NCCL version before an average: the stream form)
+    dist.stream.reduce_scatter(out_avg, paddle.to_tensor(xs[rank]), op=dist.ReduceOp.AVG, group=group)
+    through_kernel = kernels.calls("ReduceScatterKernel") - before
+    dist.reduce_scatter(out_max, paddle.to_tensor(xs[rank]), op=dist.ReduceOp.MAX, group=group)
+    rows = slice(2 * rank, 2 * rank + 2)
+    return {"got": {"tensor_form": out_t.numpy(), "list_form": out_l.numpy(), "average": out_avg.numpy(),
+                    "max": out_max.numpy(), "through the kernel": through_kernel},
+            "want": {"tensor_form": total[rows], "list_form": total[rows], "average": total[rows] / n,
+                     "max": np.max(xs, axis=0)[rows], "through the kernel": 3}}
 
 
 def main():

@@ -1,0 +1,346 @@
+// paddle_hybrid: CPU kernels over gloo for the collectives Paddle's CPU build has
+// none for, and the CPU answer of `phi::distributed::GetDefaultPlace()`.
+//
+// Paddle 3.3's CPU kernels `ReduceScatterKernel`, `AllToAllKernel`, `PSendKernel`
+// and `PRecvKernel` only throw, and `GetDefaultPlace()` of a wheel built with
+// custom-device support indexes the first custom device type of an empty list.
+// Each is called through `libphi_core.so`'s own procedure linkage table (the
+// reshard functions, the ops' kernel wrappers): `paddle_hybrid.gloo.kernels`
+// points those table entries at the functions below while the plugin is
+// installed, and back at Paddle's at `uninstall()`.  This file only provides the
+// functions, by name, through the C entry points at its end.
+//
+// Per call: a gloo comm context on the device context gets the gloo work; any
+// other context gets Paddle's original function, unchanged (the device rule).
+//
+// How each moves bytes (every byte of a reduce_scatter is reduced once):
+// * reduce_scatter: a ring.  In step s rank r sends its partial sum of chunk
+//   (r - s - 1) to r + 1 and receives the partial of chunk (r - s - 2) from
+//   r - 1, adding its own part; after n - 1 steps it holds chunk r, summed over
+//   every rank.  Each rank sends (n - 1) / n of its input, half an all_reduce.
+// * all_to_all: pairwise rounds of the circle method (n - 1 rounds for an even
+//   n, n rounds with one rank idle per round for an odd n); each part crosses
+//   once.
+// * send/recv: one gloo message each (a shape message first when the shape is
+//   dynamic).
+// Gloo's send waits until its peer posts the matching receive, so in every
+// exchange the even (or lower) rank sends first and its partner receives first.
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "paddle/phi/backends/cpu/cpu_context.h"
+#include "paddle/phi/common/bfloat16.h"
+#include "paddle/phi/common/float16.h"
+#include "paddle/phi/common/place.h"
+#include "paddle/phi/core/dense_tensor.h"
+#include "paddle/phi/core/distributed/comm_context.h"
+#include "paddle/phi/core/enforce.h"
+
+// Paddle's wheel ships `gloo_comm_context.h` but not the gloo headers it includes,
+// so the two members used here are declared as Paddle defines them (exported by
+// libphi_core.so).  Whether a context is one is asked of its vtable, the one
+// `libphi_core.so` exports (`ph_gloo_set_vtable`), not through this declaration.
+namespace phi {
+namespace distributed {
+class GlooCommContext final : public CommContext {
+ public:
+  void Send(const phi::DenseTensor& in_tensor, int dst, uint32_t tag = 0);
+  void Recv(phi::DenseTensor* out_tensor, int src, uint32_t tag = 0);
+};
+}  // namespace distributed
+}  // namespace phi
+
+namespace {
+
+using phi::CPUContext;
+using phi::DenseTensor;
+using phi::distributed::GlooCommContext;
+
+// -- bookkeeping ------------------------------------------------------------------------
+
+std::map<std::string, void*>& Originals() {
+  static std::map<std::string, void*> originals;
+  return originals;
+}
+
+std::map<std::string, std::atomic<long long>>& Calls() {
+  static std::map<std::string, std::atomic<long long>> calls;
+  return calls;
+}
+
+template <typename T>
+struct TypeName;
+#define PH_TYPE_NAME(T, NAME)                   \
+  template <>                                   \
+  struct TypeName<T> {                          \
+    static constexpr const char* value = NAME;  \
+  };
+PH_TYPE_NAME(float, "float")
+PH_TYPE_NAME(double, "double")
+PH_TYPE_NAME(int, "int")
+PH_TYPE_NAME(long, "long")  // NOLINT
+PH_TYPE_NAME(short, "short")  // NOLINT
+PH_TYPE_NAME(signed char, "signed char")
+PH_TYPE_NAME(unsigned char, "unsigned char")
+PH_TYPE_NAME(bool, "bool")
+PH_TYPE_NAME(phi::dtype::float16, "phi::dtype::float16")
+PH_TYPE_NAME(phi::dtype::bfloat16, "phi::dtype::bfloat16")
+#undef PH_TYPE_NAME
+
+template <typename Fn>
+Fn Original(const char* kernel, const char* type) {
+  auto it = Originals().find(std::string(kernel) + "|" + type);
+  PADDLE_ENFORCE_EQ(it != Originals().end(), true,
+                    common::errors::PreconditionNotMet(
+                        "paddle_hybrid: no original %s<%s> recorded; the plugin's gloo "
+                        "kernels were installed without it.", kernel, type));
+  return reinterpret_cast<Fn>(it->second);
+}
+
+void Count(const char* kernel) { Calls()[kernel]++; }
+
+const void* gloo_vtable = nullptr;  // where a GlooCommContext's vtable pointer points
+
+// The gloo comm context on `dev_ctx`, or null (then Paddle's original runs).
+GlooCommContext* GlooOf(const CPUContext& dev_ctx) {
+  phi::distributed::CommContext* ctx = dev_ctx.GetCommContext();
+  if (ctx == nullptr || gloo_vtable == nullptr) return nullptr;
+  const void* vptr = *reinterpret_cast<const void* const*>(ctx);
+  return vptr == gloo_vtable ? static_cast<GlooCommContext*>(ctx) : nullptr;
+}
+
+int64_t Rows(const DenseTensor& t) { return t.dims().size() == 0 ? 1 : t.dims()[0]; }
+
+// Rows [begin, begin + rows) of `x`, sharing its memory.  (DenseTensor::Slice is not
+// declared to custom ops: its header hides it behind PADDLE_WITH_CUSTOM_KERNEL.)
+DenseTensor View(const DenseTensor& x, int64_t begin, int64_t rows) {
+  const int64_t row_elements = Rows(x) == 0 ? 0 : x.numel() / Rows(x);
+  phi::DenseTensorMeta meta = x.meta();
+  meta.dims[0] = rows;
+  meta.strides = phi::DenseTensorMeta::calc_strides(meta.dims);
+  meta.offset = x.meta().offset + begin * row_elements * phi::SizeOf(x.dtype());
+  DenseTensor view;
+  view.ShareDataWith(x);
+  view.set_meta(meta);
+  return view;
+}
+
+template <typename T>
+T Sum(T a, T b) {
+  return static_cast<T>(a + b);
+}
+template <>
+bool Sum<bool>(bool a, bool b) {
+  return a || b;
+}
+
+// out = a + b, element by element (all three of one size).
+template <typename T>
+void Add(const DenseTensor& a, const DenseTensor& b, DenseTensor* out) {
+  const T* pa = a.data<T>();
+  const T* pb = b.data<T>();
+  T* po = out->data<T>();
+  for (int64_t i = 0, n = a.numel(); i < n; ++i) po[i] = Sum<T>(pa[i], pb[i]);
+}
+
+// One exchange with two peers: send `send` to `to`, receive `recv` from `from`,
+// in the order that cannot deadlock on gloo's rendezvous send (see the top).
+void SendRecv(GlooCommContext* comm, bool send_first, const DenseTensor& send, int to,
+              DenseTensor* recv, int from) {
+  if (send_first) {
+    comm->Send(send, to);
+    comm->Recv(recv, from);
+  } else {
+    comm->Recv(recv, from);
+    comm->Send(send, to);
+  }
+}
+
+template <typename T>
+DenseTensor Chunk(const CPUContext& dev_ctx, const DenseTensor& like_rows, int64_t rows) {
+  DenseTensor t;
+  auto dims = like_rows.dims();
+  dims[0] = rows;
+  t.Resize(dims);
+  dev_ctx.template Alloc<T>(&t);
+  return t;
+}
+
+// -- reduce_scatter -----------------------------------------------------------------------
+
+template <typename T>
+void ReduceScatter(const CPUContext& dev_ctx, const DenseTensor& x, int nranks, DenseTensor* out) {
+  using Fn = void (*)(const CPUContext&, const DenseTensor&, int, DenseTensor*);
+  GlooCommContext* comm = GlooOf(dev_ctx);
+  if (comm == nullptr) {
+    return Original<Fn>("ReduceScatterKernel", TypeName<T>::value)(dev_ctx, x, nranks, out);
+  }
+  Count("ReduceScatterKernel");
+  const int n = comm->GetSize(), r = comm->GetRank();
+  PADDLE_ENFORCE_EQ(nranks, n, common::errors::InvalidArgument(
+      "paddle_hybrid reduce_scatter: nranks is %d, the gloo group has %d ranks.", nranks, n));
+  PADDLE_ENFORCE_EQ(x.dims().size() > 0 && Rows(x) % n == 0, true, common::errors::InvalidArgument(
+      "paddle_hybrid reduce_scatter: the first dimension of the input (%s) must divide by the %d ranks.",
+      x.dims().to_str(), n));
+  const int64_t rows = Rows(x) / n;
+  dev_ctx.template Alloc<T>(out);
+  if (n == 1 || x.numel() == 0) {
+    if (x.numel() > 0) std::memcpy(out->data<T>(), x.data<T>(), sizeof(T) * x.numel());
+    return;
+  }
+  auto chunk = [&](int k) { return View(x, k * rows, rows); };
+  DenseTensor partial = Chunk<T>(dev_ctx, x, rows), received = Chunk<T>(dev_ctx, x, rows);
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  for (int s = 0; s + 1 < n; ++s) {
+    const int send_k = ((r - s - 1) % n + n) % n, recv_k = ((r - s - 2) % n + n) % n;
+    const DenseTensor to_send = s == 0 ? chunk(send_k) : partial;
+    SendRecv(comm, r % 2 == 0, to_send, next, &received, prev);
+    // The last step's chunk is this rank's own: its sum goes straight to `out`.
+    Add<T>(received, chunk(recv_k), s + 2 == n ? out : &partial);
+  }
+}
+
+// -- all_to_all -----------------------------------------------------------------------------
+
+// Partner of `rank` in round `k` of the circle method on `m` (even) seats; a partner
+// >= the group size is the empty seat of an odd group: that rank idles this round.
+int Partner(int rank, int k, int m) {
+  const int last = m - 1;
+  if (rank == last) return k;
+  if (rank == k) return last;
+  return ((2 * k - rank) % last + last) % last;
+}
+
+template <typename T>
+void AllToAll(const CPUContext& dev_ctx, const DenseTensor& x, DenseTensor* out) {
+  using Fn = void (*)(const CPUContext&, const DenseTensor&, DenseTensor*);
+  GlooCommContext* comm = GlooOf(dev_ctx);
+  if (comm == nullptr) {
+    return Original<Fn>("AllToAllKernel", TypeName<T>::value)(dev_ctx, x, out);
+  }
+  Count("AllToAllKernel");
+  const int n = comm->GetSize(), r = comm->GetRank();
+  PADDLE_ENFORCE_EQ(x.dims().size() > 0 && Rows(x) % n == 0, true, common::errors::InvalidArgument(
+      "paddle_hybrid all_to_all: the first dimension of the input (%s) must divide by the %d ranks.",
+      x.dims().to_str(), n));
+  const int64_t rows = Rows(x) / n;
+  out->Resize(x.dims());
+  dev_ctx.template Alloc<T>(out);
+  if (x.numel() == 0) return;
+  auto part = [&](const DenseTensor& t, int k) { return View(t, k * rows, rows); };
+  DenseTensor own = part(*out, r);
+  const DenseTensor mine = part(x, r);
+  std::memcpy(own.data<T>(), mine.data<T>(), sizeof(T) * own.numel());
+  const int seats = n % 2 == 0 ? n : n + 1;
+  for (int k = 0; k + 1 < seats; ++k) {
+    const int peer = Partner(r, k, seats);
+    if (peer >= n) continue;  // the empty seat: no exchange this round
+    DenseTensor into = part(*out, peer);
+    SendRecv(comm, r < peer, part(x, peer), peer, &into, peer);
+  }
+}
+
+// -- send / recv ----------------------------------------------------------------------------
+
+template <typename T>
+void PSend(const CPUContext& dev_ctx, const DenseTensor& x, int peer, bool dynamic_shape) {
+  using Fn = void (*)(const CPUContext&, const DenseTensor&, int, bool);
+  GlooCommContext* comm = GlooOf(dev_ctx);
+  if (comm == nullptr) {
+    return Original<Fn>("PSendKernel", TypeName<T>::value)(dev_ctx, x, peer, dynamic_shape);
+  }
+  Count("PSendKernel");
+  if (dynamic_shape) {
+    DenseTensor shape;
+    shape.Resize({x.dims().size() + 1});
+    int64_t* s = dev_ctx.template Alloc<int64_t>(&shape);
+    s[0] = x.dims().size();
+    for (int i = 0; i < x.dims().size(); ++i) s[i + 1] = x.dims()[i];
+    DenseTensor rank_only = View(shape, 0, 1);
+    comm->Send(rank_only, peer);  // the receiver learns how many dims follow
+    comm->Send(shape, peer);
+  }
+  if (x.numel() > 0) comm->Send(x, peer);
+}
+
+template <typename T>
+void PRecv(const CPUContext& dev_ctx, int peer, phi::DataType dtype, const std::vector<int>& out_shape,
+           bool dynamic_shape, DenseTensor* out) {
+  using Fn = void (*)(const CPUContext&, int, phi::DataType, const std::vector<int>&, bool, DenseTensor*);
+  GlooCommContext* comm = GlooOf(dev_ctx);
+  if (comm == nullptr) {
+    return Original<Fn>("PRecvKernel", TypeName<T>::value)(dev_ctx, peer, dtype, out_shape, dynamic_shape, out);
+  }
+  Count("PRecvKernel");
+  if (dynamic_shape) {
+    DenseTensor rank_only;
+    rank_only.Resize({1});
+    int64_t* nd = dev_ctx.template Alloc<int64_t>(&rank_only);
+    comm->Recv(&rank_only, peer);
+    DenseTensor shape;
+    shape.Resize({nd[0] + 1});
+    const int64_t* s = dev_ctx.template Alloc<int64_t>(&shape);
+    comm->Recv(&shape, peer);
+    std::vector<int64_t> dims(s + 1, s + 1 + nd[0]);
+    out->Resize(common::make_ddim(dims));
+  } else {
+    out->Resize(common::make_ddim(std::vector<int64_t>(out_shape.begin(), out_shape.end())));
+  }
+  dev_ctx.template Alloc<T>(out);
+  if (out->numel() > 0) comm->Recv(out, peer);
+}
+
+// -- GetDefaultPlace --------------------------------------------------------------------------
+
+phi::Place CpuDefaultPlace() { return phi::CPUPlace(); }
+
+// -- by name --------------------------------------------------------------------------------
+
+template <typename T>
+void* KernelFor(const std::string& kernel) {
+  if (kernel == "ReduceScatterKernel") return reinterpret_cast<void*>(&ReduceScatter<T>);
+  if (kernel == "AllToAllKernel") return reinterpret_cast<void*>(&AllToAll<T>);
+  if (kernel == "PSendKernel") return reinterpret_cast<void*>(&PSend<T>);
+  if (kernel == "PRecvKernel") return reinterpret_cast<void*>(&PRecv<T>);
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The plugin's function for Paddle's `phi::<kernel><type, phi::CPUContext>`, or null.
+void* ph_gloo_kernel(const char* kernel, const char* type) {
+  const std::string k(kernel), t(type);
+  if (t == "float") return KernelFor<float>(k);
+  if (t == "double") return KernelFor<double>(k);
+  if (t == "int") return KernelFor<int>(k);
+  if (t == "long") return KernelFor<long>(k);  // NOLINT
+  if (t == "short") return KernelFor<short>(k);  // NOLINT
+  if (t == "signed char") return KernelFor<signed char>(k);
+  if (t == "unsigned char") return KernelFor<unsigned char>(k);
+  if (t == "bool") return KernelFor<bool>(k);
+  if (t == "phi::dtype::float16") return KernelFor<phi::dtype::float16>(k);
+  if (t == "phi::dtype::bfloat16") return KernelFor<phi::dtype::bfloat16>(k);
+  return nullptr;
+}
+
+// Paddle's own function behind one of them: what a call on a non-gloo context runs.
+void ph_gloo_set_original(const char* kernel, const char* type, void* fn) {
+  Originals()[std::string(kernel) + "|" + type] = fn;
+}
+
+// `libphi_core.so`'s vtable of GlooCommContext, as objects point at it (the symbol + 16).
+void ph_gloo_set_vtable(const void* vtable) { gloo_vtable = vtable; }
+
+// How many calls of `kernel` did gloo work (the tests: a C++ reshard reached it).
+long long ph_gloo_calls(const char* kernel) { return Calls()[kernel].load(); }  // NOLINT
+
+// `phi::distributed::GetDefaultPlace()` for a process with no custom device.
+void* ph_cpu_default_place() { return reinterpret_cast<void*>(&CpuDefaultPlace); }
+
+}  // extern "C"

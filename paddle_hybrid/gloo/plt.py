@@ -1,0 +1,156 @@
+"""Pointing entries of a loaded library's procedure linkage table at other functions, and back.
+
+A call from ``libphi_core.so`` to a function it exports (``phi::ReduceScatterKernel<float,
+phi::CPUContext>``, ``phi::distributed::GetDefaultPlace()``) goes through its own PLT: an indirect
+jump through a slot of its global offset table that the dynamic linker fills with the function's
+address.  Writing another address into that slot is what ``LD_PRELOAD`` would do for the whole
+process, done for one library, after it was loaded, and undone by writing the saved value back.
+
+This module reads the slots from the library's file (its ``.rela.plt`` relocations of type
+``R_X86_64_JUMP_SLOT``, named through ``.dynsym``/``.dynstr``), finds where the library is mapped
+(``/proc/self/maps``), and writes a slot (making its page writable for the write if the loader
+made it read-only).  Linux x86-64 ELF only: :func:`available` says why not elsewhere.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import mmap
+import os
+import platform
+import struct
+
+__all__ = ["PltSlot", "available", "jump_slots", "demangle", "loaded_base", "write_slot", "read_slot"]
+
+_R_X86_64_JUMP_SLOT = 7
+_SHT_RELA, _SHT_DYNSYM = 4, 11
+
+
+@dataclasses.dataclass(frozen=True)
+class PltSlot:
+    """One PLT slot of a library: the symbol it calls and where its pointer lives."""
+
+    symbol: str
+    """The mangled name (``_ZN3phi19ReduceScatterKernelIfNS_10CPUContextEEEv...``)."""
+    offset: int
+    """The slot's address relative to the library's load base."""
+
+
+def available() -> tuple[bool, str]:
+    """``(ok, why not)``: can slots be read and written in this process?"""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"PLT slots are handled on Linux x86-64 only, this is {platform.system()} {platform.machine()}"
+    if not os.path.exists("/proc/self/maps"):
+        return False, "/proc/self/maps is not readable"
+    return True, ""
+
+
+def _sections(data) -> list:
+    """``[(name offset, type, file offset, size, link, entry size), ...]`` of an ELF64 file."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError("not a little-endian 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    out = []
+    for i in range(shnum):
+        name, kind, _flags, _addr, offset, size, link, _info, _align, entsize = struct.unpack_from(
+            "<IIQQQQIIQQ", data, shoff + i * shentsize)
+        out.append((name, kind, offset, size, link, entsize))
+    return out
+
+
+def _cstring(data, offset: int) -> str:
+    end = data.find(b"\0", offset)
+    return data[offset:end].decode("ascii", "replace")
+
+
+def jump_slots(path: str, contains=()) -> list:
+    """Every ``R_X86_64_JUMP_SLOT`` of the library at ``path`` whose mangled name contains one of
+    ``contains`` (all of them when empty), as :class:`PltSlot`."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        sections = _sections(data)
+        slots = []
+        for _name, kind, offset, size, link, entsize in sections:
+            if kind != _SHT_RELA or link >= len(sections) or sections[link][1] != _SHT_DYNSYM:
+                continue
+            _, _, sym_offset, _, str_index, sym_entsize = sections[link]
+            str_offset = sections[str_index][2]
+            for pos in range(offset, offset + size, entsize or 24):
+                r_offset, r_info, _addend = struct.unpack_from("<QQq", data, pos)
+                if r_info & 0xFFFFFFFF != _R_X86_64_JUMP_SLOT:
+                    continue
+                name_offset, = struct.unpack_from("<I", data, sym_offset + (r_info >> 32) * (sym_entsize or 24))
+                symbol = _cstring(data, str_offset + name_offset)
+                if not contains or any(c in symbol for c in contains):
+                    slots.append(PltSlot(symbol, r_offset))
+        return slots
+
+
+def demangle(symbol: str) -> str:
+    """The C++ name of a mangled symbol (through the C++ runtime's ``__cxa_demangle``), or the
+    symbol itself if it is not one."""
+    runtime = _cxx_runtime()
+    status = ctypes.c_int(0)
+    raw = runtime.__cxa_demangle(symbol.encode(), None, None, ctypes.byref(status))
+    if status.value != 0 or not raw:
+        return symbol
+    try:
+        return ctypes.cast(raw, ctypes.c_char_p).value.decode()
+    finally:
+        _libc().free(ctypes.c_void_p(raw))
+
+
+def loaded_base(path: str) -> int:
+    """Where the library at ``path`` is mapped in this process (its first segment's address)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) >= 6 and os.path.realpath(parts[5]) == real and int(parts[2], 16) == 0:
+                return int(parts[0].split("-")[0], 16)
+    raise RuntimeError(f"paddle_hybrid: {path} is not loaded in this process.")
+
+
+def read_slot(address: int) -> int:
+    return ctypes.c_void_p.from_address(address).value or 0
+
+
+def write_slot(address: int, value: int) -> None:
+    """Write the pointer ``value`` at ``address``, making the page writable for the write if it is
+    not (and read-only again after)."""
+    page = mmap.PAGESIZE
+    start = address & ~(page - 1)
+    writable = _page_writable(address)
+    libc = _libc()
+    if not writable and libc.mprotect(ctypes.c_void_p(start), page, 3) != 0:  # PROT_READ | PROT_WRITE
+        raise OSError(ctypes.get_errno(), f"paddle_hybrid: cannot make the page at {start:#x} writable")
+    try:
+        ctypes.c_void_p.from_address(address).value = value
+    finally:
+        if not writable:
+            libc.mprotect(ctypes.c_void_p(start), page, 1)  # PROT_READ, as the loader left it
+
+
+def _page_writable(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return "w" in perms
+    raise RuntimeError(f"paddle_hybrid: address {address:#x} is not mapped.")
+
+
+def _libc():
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _cxx_runtime():
+    runtime = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+    runtime.__cxa_demangle.restype = ctypes.c_void_p
+    runtime.__cxa_demangle.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    return runtime

@@ -1,0 +1,44 @@
+"""The plugin's CPU kernels over gloo (``paddle_hybrid.gloo.kernels``), reached by Paddle's own
+C++ semi-auto reshard functions: Partial -> Shard (reduce_scatter), Shard(i) -> Shard(j)
+(all_to_all), a reshard across meshes (p_send / p_recv, and GetDefaultPlace() on the ranks outside
+both meshes), on 2, 3 and 4 gloo ranks and a 2-D mesh, each equal to the NumPy value of the global
+tensor (exact: small integers in every dtype).  Without the plugin Paddle's CPU kernel throws; after
+``paddle_hybrid.uninstall()`` it throws again (the slots are given back)."""
+import os
+
+import numpy as np
+import pytest
+
+from paddle_hybrid.testing import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "worker_gloo_kernels.py")
+STOCK_ERROR = "Unimplemented cpu kernel for CReduceScatterOp"
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_reshards_through_the_gloo_kernels_equal_numpy(nranks):
+    results = launch(WORKER, nprocs=nranks, args=["--mode", "plugin"], timeout=300)
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank
+        for case, value in result["cases"].items():
+            np.testing.assert_array_equal(np.asarray(value["got"]), np.asarray(value["expected"]),
+                                          err_msg=f"rank {rank}: {case}")
+            if "expected_shape" in value:
+                assert value["shape"] == value["expected_shape"], (rank, case)
+        # Paddle's C++ reached the plugin's kernels (no Python collective on these paths): one
+        # reduce_scatter per dtype (an empty tensor needs none), one all_to_all per Shard -> Shard
+        assert result["calls"]["ReduceScatterKernel"] >= 7 and result["calls"]["AllToAllKernel"] >= 2, result["calls"]
+        if rank == 0:
+            assert result["calls"]["PSendKernel"] >= 1
+        if rank == nranks - 1:
+            assert result["calls"]["PRecvKernel"] >= 1
+        assert STOCK_ERROR in result["after_uninstall"], result["after_uninstall"]
+    if nranks == 4:
+        assert "dp x mp: [R, P] -> [R, S(0)]" in results[0]["cases"]
+
+
+def test_without_the_plugin_paddle_stops():
+    results = launch(WORKER, nprocs=2, args=["--mode", "stock"], timeout=300, env={"PADDLE_HYBRID_CPU": "off"})
+    for result in results:
+        assert STOCK_ERROR in result["error"], result["error"]
