@@ -1,7 +1,7 @@
 """How often ``python -m paddle_hybrid.launch`` names the rank that died, and how long after its death
 the launcher exits.
 
-The job (``tests/launch/dying_rank_script.py``, 2 ranks on CPU/gloo): rank 1 ends with
+The job (``benchmarks/dying_rank_script.py``, 2 ranks on CPU/gloo): rank 1 ends with
 ``os._exit(3)`` right after ``init_parallel_env()`` and a barrier; rank 0, blocked in an
 ``all_reduce``, fails because of it ("Connection reset by peer", or a gloo TIMEOUT) a few
 milliseconds later, inside the same once-a-second poll of Paddle's launcher.  Per run: the exit
@@ -30,10 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-# The job is a fixture of the launcher tests, not of the package: run from the repository checkout,
-# this benchmark imports it from tests/launch (root_cause_job.py, which runs dying_rank_script.py).
-sys.path.insert(0, os.path.join(ROOT, "tests", "launch"))
-import root_cause_job  # noqa: E402
+import root_cause_job  # noqa: E402  (next to this file: the job, also run by tests/launch/test_root_cause.py)
 
 EXIT_CODE = 3
 ALSO = re.compile(r"also failed: rank 0 \(code (?P<code>-?\d+), (?P<ms>[+-]\d+) ms\): (?P<reason>.*)$", re.M)

@@ -6,13 +6,16 @@ launcher looks again (it polls once a second).  Paddle's rule (lowest failed ran
 rank 0; the launcher must name rank 1, every time, exit with its code, and show its log.
 Also: the exit watcher leaves reaping to ``Popen`` (Paddle's ``poll()`` still gets the code).
 """
+import os
 import subprocess
 import sys
 import time
 
 from paddle_hybrid.launch import exit_code as ec
 
-import root_cause_job  # tests/launch/root_cause_job.py, next to this file (pytest puts this folder on sys.path)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import root_cause_job  # noqa: E402  (benchmarks/root_cause_job.py: the benchmark's job, run here too)
 
 REPEAT = 5  # the lowest-rank rule named rank 0 in 15 of 20 runs on a 2-core machine; 5 runs take ~25 s
 

@@ -1,7 +1,7 @@
 """Run ``dying_rank_script.py`` (next to this file) under ``python -m paddle_hybrid.launch`` (or
-another launcher) with 2 ranks and read what the launcher reported: a fixture of
-``tests/launch/test_root_cause.py`` and ``benchmarks/bench_launch_root_cause.py`` (which puts
-``tests/launch`` on ``sys.path`` to import it), not part of the package."""
+another launcher) with 2 ranks and read what the launcher reported: the job of
+``benchmarks/bench_launch_root_cause.py``, which ``tests/launch/test_root_cause.py`` runs too; not
+part of the package."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +12,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))  # tests/launch
-ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository, holding the package: the workers' PYTHONPATH
+HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks
+ROOT = os.path.dirname(HERE)  # the repository, holding the package: the workers' PYTHONPATH
 SCRIPT = os.path.join(HERE, "dying_rank_script.py")  # run by path, from this folder
 TIMEOUT = 120
 
