@@ -133,6 +133,21 @@ def rows_vs_pytorch(d):
     return out
 
 
+def rows_gloo_kernels(d):
+    """The largest size of each rank count: the reduce_scatter and all_to_all kernels against an
+    all_reduce of the same bytes (targets 0.7 and 1.0)."""
+    out = []
+    for ranks, rows in d["ranks"].items():
+        kb = str(max(d["sizes_kb"]))
+        cell = rows[kb]
+        for kernel, target in (("rs_kernel", 0.7), ("a2a_kernel", 1.0)):
+            ratio = cell[kernel] / cell["all_reduce"]
+            out.append(_row("gloo kernels", f"{kernel.split('_')[0]} vs all_reduce, {ranks} ranks, {kb} KB a rank",
+                            "all_reduce", 1000 * cell["all_reduce"], kernel, 1000 * cell[kernel], "ms", ratio,
+                            f"<= {target}", ratio <= target))
+    return out
+
+
 BENCHES = {
     "cpu_blas": ("bench_cpu_blas.py", [], ["--rounds", "2"], "cpu_blas.json", rows_cpu_blas),
     "reshard": ("bench_reshard.py", [], ["--layers", "24"], "reshard.json", rows_reshard),
@@ -145,6 +160,7 @@ BENCHES = {
                         rows_tensor_parallel),
     "timeline": ("bench_timeline.py", [], ["--rounds", "1", "--steps", "10"], "timeline.json", rows_timeline),
     "vs_pytorch": ("bench_vs_pytorch.py", [], ["--rounds", "1", "--steps", "5"], "vs_pytorch.json", rows_vs_pytorch),
+    "gloo_kernels": ("bench_gloo_kernels.py", [], ["--max-mb", "16"], "gloo_kernels.json", rows_gloo_kernels),
 }
 NEEDS = {"vs_pytorch": "torch"}  # benchmarks that run only when this module is importable
 

@@ -115,20 +115,6 @@ GlooCommContext* GlooOf(const CPUContext& dev_ctx) {
 
 int64_t Rows(const DenseTensor& t) { return t.dims().size() == 0 ? 1 : t.dims()[0]; }
 
-// Rows [begin, begin + rows) of `x`, sharing its memory.  (DenseTensor::Slice is not
-// declared to custom ops: its header hides it behind PADDLE_WITH_CUSTOM_KERNEL.)
-DenseTensor View(const DenseTensor& x, int64_t begin, int64_t rows) {
-  const int64_t row_elements = Rows(x) == 0 ? 0 : x.numel() / Rows(x);
-  phi::DenseTensorMeta meta = x.meta();
-  meta.dims[0] = rows;
-  meta.strides = phi::DenseTensorMeta::calc_strides(meta.dims);
-  meta.offset = x.meta().offset + begin * row_elements * phi::SizeOf(x.dtype());
-  DenseTensor view;
-  view.ShareDataWith(x);
-  view.set_meta(meta);
-  return view;
-}
-
 template <typename T>
 T Sum(T a, T b) {
   return static_cast<T>(a + b);
@@ -138,13 +124,10 @@ bool Sum<bool>(bool a, bool b) {
   return a || b;
 }
 
-// out = a + b, element by element (all three of one size).
+// out[i] = a[i] + b[i] for `n` elements.
 template <typename T>
-void Add(const DenseTensor& a, const DenseTensor& b, DenseTensor* out) {
-  const T* pa = a.data<T>();
-  const T* pb = b.data<T>();
-  T* po = out->data<T>();
-  for (int64_t i = 0, n = a.numel(); i < n; ++i) po[i] = Sum<T>(pa[i], pb[i]);
+void Add(const T* a, const T* b, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = Sum<T>(a[i], b[i]);
 }
 
 // One exchange with two peers: send `send` to `to`, receive `recv` from `from`,
@@ -160,14 +143,22 @@ void SendRecv(GlooCommContext* comm, bool send_first, const DenseTensor& send, i
   }
 }
 
+// A tensor of `rows` rows shaped like `like`'s rows, in host memory.  (Kernels here copy
+// parts into buffers of their own instead of making views: the view API of DenseTensor is not
+// declared to custom ops in every Paddle version.)
 template <typename T>
-DenseTensor Chunk(const CPUContext& dev_ctx, const DenseTensor& like_rows, int64_t rows) {
+DenseTensor Buffer(const CPUContext& dev_ctx, const DenseTensor& like, int64_t rows) {
   DenseTensor t;
-  auto dims = like_rows.dims();
+  auto dims = like.dims();
   dims[0] = rows;
   t.Resize(dims);
   dev_ctx.template Alloc<T>(&t);
   return t;
+}
+
+template <typename T>
+void Copy(T* to, const T* from, int64_t n) {
+  if (n > 0) std::memcpy(to, from, sizeof(T) * n);
 }
 
 // -- reduce_scatter -----------------------------------------------------------------------
@@ -192,15 +183,17 @@ void ReduceScatter(const CPUContext& dev_ctx, const DenseTensor& x, int nranks, 
     if (x.numel() > 0) std::memcpy(out->data<T>(), x.data<T>(), sizeof(T) * x.numel());
     return;
   }
-  auto chunk = [&](int k) { return View(x, k * rows, rows); };
-  DenseTensor partial = Chunk<T>(dev_ctx, x, rows), received = Chunk<T>(dev_ctx, x, rows);
+  const int64_t c = x.numel() / n;  // elements of one chunk
+  const T* in = x.data<T>();
+  DenseTensor partial = Buffer<T>(dev_ctx, x, rows), received = Buffer<T>(dev_ctx, x, rows);
   const int next = (r + 1) % n, prev = (r + n - 1) % n;
   for (int s = 0; s + 1 < n; ++s) {
     const int send_k = ((r - s - 1) % n + n) % n, recv_k = ((r - s - 2) % n + n) % n;
-    const DenseTensor to_send = s == 0 ? chunk(send_k) : partial;
-    SendRecv(comm, r % 2 == 0, to_send, next, &received, prev);
+    if (s == 0) Copy<T>(partial.data<T>(), in + send_k * c, c);  // later steps send the last sum
+    SendRecv(comm, r % 2 == 0, partial, next, &received, prev);
     // The last step's chunk is this rank's own: its sum goes straight to `out`.
-    Add<T>(received, chunk(recv_k), s + 2 == n ? out : &partial);
+    T* sum = s + 2 == n ? out->data<T>() : partial.data<T>();
+    Add<T>(received.data<T>(), in + recv_k * c, sum, c);
   }
 }
 
@@ -231,16 +224,18 @@ void AllToAll(const CPUContext& dev_ctx, const DenseTensor& x, DenseTensor* out)
   out->Resize(x.dims());
   dev_ctx.template Alloc<T>(out);
   if (x.numel() == 0) return;
-  auto part = [&](const DenseTensor& t, int k) { return View(t, k * rows, rows); };
-  DenseTensor own = part(*out, r);
-  const DenseTensor mine = part(x, r);
-  std::memcpy(own.data<T>(), mine.data<T>(), sizeof(T) * own.numel());
+  const int64_t c = x.numel() / n;  // elements of one part
+  const T* in = x.data<T>();
+  T* result = out->data<T>();
+  Copy<T>(result + r * c, in + r * c, c);
+  DenseTensor to_send = Buffer<T>(dev_ctx, x, rows), received = Buffer<T>(dev_ctx, x, rows);
   const int seats = n % 2 == 0 ? n : n + 1;
   for (int k = 0; k + 1 < seats; ++k) {
     const int peer = Partner(r, k, seats);
     if (peer >= n) continue;  // the empty seat: no exchange this round
-    DenseTensor into = part(*out, peer);
-    SendRecv(comm, r < peer, part(x, peer), peer, &into, peer);
+    Copy<T>(to_send.data<T>(), in + peer * c, c);
+    SendRecv(comm, r < peer, to_send, peer, &received, peer);
+    Copy<T>(result + peer * c, received.data<T>(), c);
   }
 }
 
@@ -255,12 +250,13 @@ void PSend(const CPUContext& dev_ctx, const DenseTensor& x, int peer, bool dynam
   }
   Count("PSendKernel");
   if (dynamic_shape) {
-    DenseTensor shape;
+    DenseTensor rank_only, shape;
+    rank_only.Resize({1});
+    dev_ctx.template Alloc<int64_t>(&rank_only)[0] = x.dims().size();
     shape.Resize({x.dims().size() + 1});
     int64_t* s = dev_ctx.template Alloc<int64_t>(&shape);
     s[0] = x.dims().size();
     for (int i = 0; i < x.dims().size(); ++i) s[i + 1] = x.dims()[i];
-    DenseTensor rank_only = View(shape, 0, 1);
     comm->Send(rank_only, peer);  // the receiver learns how many dims follow
     comm->Send(shape, peer);
   }
