@@ -11,7 +11,8 @@ functions are C++ and call these functions directly, so no Python patch reaches 
 What this does: ``custom_ops/gloo_kernels.cc`` (in the plugin's op library) holds a gloo
 implementation of each kernel for every type Paddle instantiates, and a ``GetDefaultPlace`` that
 answers the CPU place.  ``libphi_core.so`` calls all of these through its own procedure linkage
-table (:mod:`.plt`); :func:`apply` points those slots at the plugin's functions, and the patcher
+table (:mod:`.plt`), ``libpaddle.so`` calls ``GetDefaultPlace`` through its own (eager autograd
+filling an empty gradient); :func:`apply` points those slots at the plugin's functions, and the patcher
 writes the saved values back at ``paddle_hybrid.uninstall()``.  The kernel factory's wrappers of
 these kernels call through the same slots, so an op (``_C_ops.reduce_scatter``, a static program's
 ``pd_op.reduce_scatter``) reaches them as well.
@@ -52,6 +53,15 @@ def _phi_core() -> str:
     return os.path.join(os.path.dirname(paddle.__file__), "libs", "libphi_core.so")
 
 
+def _callers() -> list:
+    """The Paddle libraries whose PLT calls these functions: libphi_core.so (the kernels, the
+    reshard functions) and libpaddle.so (eager autograd asks GetDefaultPlace() too)."""
+    import paddle
+
+    root = os.path.dirname(paddle.__file__)
+    return [_phi_core(), os.path.join(root, "base", "libpaddle.so")]
+
+
 def _ops_library():
     from .. import ops
 
@@ -59,7 +69,7 @@ def _ops_library():
 
 
 def slots(path: str | None = None) -> list:
-    """``[(slot, kernel, type), ...]``: every PLT slot of ``libphi_core.so`` for a CPU kernel of
+    """``[(slot, kernel, type), ...]``: every PLT slot of ``path`` (``libphi_core.so`` by default) for a CPU kernel of
     :data:`KERNELS` with the parameters of :data:`SIGNATURES` (``kernel`` and ``type`` as C++ names
     them: ``"ReduceScatterKernel"``, ``"float"``), and the one of ``GetDefaultPlace`` (kernel
     ``"GetDefaultPlace"``, type "")."""
@@ -101,7 +111,7 @@ def apply(config, patcher) -> str:
     (:func:`.collectives.apply_reduce_scatter`)."""
     replaced = _point_slots(patcher)
     collectives.apply_reduce_scatter(patcher, use_kernel="ReduceScatterKernel<float>" in replaced)
-    return f"{len(replaced)} CPU kernels of libphi_core.so point at the plugin's gloo kernels"
+    return f"{len(replaced)} PLT slots of libphi_core.so and libpaddle.so point at the plugin's gloo kernels"
 
 
 def _point_slots(patcher) -> list:
@@ -111,27 +121,27 @@ def _point_slots(patcher) -> list:
     ok, _why = plt.available()
     if not ok:
         return []
-    phi_core = _phi_core()
     library = _ops_library()
-    base = plt.loaded_base(phi_core)
-    phi = ctypes.CDLL(phi_core)  # the loaded library again: its symbols, for the originals
+    phi = ctypes.CDLL(_phi_core())  # the loaded library again: it defines them, for the originals
     library.ph_gloo_set_original.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p]
     library.ph_gloo_set_vtable.argtypes = [ctypes.c_void_p]
     # An object's vtable pointer points two words into its class's vtable symbol (offset, typeinfo).
     library.ph_gloo_set_vtable(ctypes.cast(getattr(phi, _GLOO_VTABLE), ctypes.c_void_p).value + 16)
     custom = _custom_devices()
     replaced = []
-    for slot, kernel, type_name in slots(phi_core):
-        if kernel == "GetDefaultPlace" and custom:
-            continue  # Paddle's answer is right where a custom device exists
-        new = _replacement(library, kernel, type_name)
-        if not new:
-            continue  # a type the plugin has no kernel for keeps Paddle's
-        original = ctypes.cast(getattr(phi, slot.symbol), ctypes.c_void_p).value
-        library.ph_gloo_set_original(kernel.encode(), type_name.encode(), original)
-        address = base + slot.offset
-        saved = plt.read_slot(address)
-        plt.write_slot(address, new)
-        patcher.on_revert(lambda a=address, v=saved: plt.write_slot(a, v), f"libphi_core PLT: {kernel}<{type_name}>")
-        replaced.append(f"{kernel}<{type_name}>" if type_name else kernel)
+    for path in _callers():
+        base, where = plt.loaded_base(path), os.path.basename(path)
+        for slot, kernel, type_name in slots(path):
+            if kernel == "GetDefaultPlace" and custom:
+                continue  # Paddle's answer is right where a custom device exists
+            new = _replacement(library, kernel, type_name)
+            if not new:
+                continue  # a type the plugin has no kernel for keeps Paddle's
+            original = ctypes.cast(getattr(phi, slot.symbol), ctypes.c_void_p).value
+            library.ph_gloo_set_original(kernel.encode(), type_name.encode(), original)
+            address = base + slot.offset
+            saved = plt.read_slot(address)
+            plt.write_slot(address, new)
+            patcher.on_revert(lambda a=address, v=saved: plt.write_slot(a, v), f"{where} PLT: {kernel}<{type_name}>")
+            replaced.append(f"{kernel}<{type_name}>" if type_name else kernel)
     return replaced
