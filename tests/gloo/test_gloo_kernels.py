@@ -2,8 +2,9 @@
 C++ semi-auto reshard functions: Partial -> Shard (reduce_scatter), Shard(i) -> Shard(j)
 (all_to_all), a reshard across meshes (p_send / p_recv, and GetDefaultPlace() on the ranks outside
 both meshes), on 2, 3 and 4 gloo ranks and a 2-D mesh, each equal to the NumPy value of the global
-tensor (exact: small integers in every dtype).  Without the plugin Paddle's CPU kernel throws; after
-``paddle_hybrid.uninstall()`` it throws again (the slots are given back)."""
+tensor (exact: small integers in every dtype).  After ``paddle_hybrid.uninstall()`` Paddle's CPU
+kernel throws again (the slots are given back); that stock Paddle stops on these paths is shown by
+``tests/dygraph/cpu/test_semi_auto_parallelize.py``."""
 import os
 
 import numpy as np
@@ -18,7 +19,7 @@ STOCK_ERROR = "Unimplemented cpu kernel for CReduceScatterOp"
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 def test_reshards_through_the_gloo_kernels_equal_numpy(nranks):
-    results = launch(WORKER, nprocs=nranks, args=["--mode", "plugin"], timeout=300)
+    results = launch(WORKER, nprocs=nranks, timeout=300)
     for rank, result in enumerate(results):
         assert result["rank"] == rank
         for case, value in result["cases"].items():
@@ -37,8 +38,3 @@ def test_reshards_through_the_gloo_kernels_equal_numpy(nranks):
     if nranks == 4:
         assert "dp x mp: [R, P] -> [R, S(0)]" in results[0]["cases"]
 
-
-def test_without_the_plugin_paddle_stops():
-    results = launch(WORKER, nprocs=2, args=["--mode", "stock"], timeout=300, env={"PADDLE_HYBRID_CPU": "off"})
-    for result in results:
-        assert STOCK_ERROR in result["error"], result["error"]

@@ -2,12 +2,9 @@
 send/recv, each against the NumPy value of the same global tensor (what one process gives).
 
 Every rank builds every rank's local data (deterministic), so each can compute the expected
-global value itself.  ``--mode plugin`` runs the cases with the plugin as installed, then
-uninstalls it and runs one reshard again (Paddle's own kernel must be back); ``--mode stock``
-runs one reshard without the plugin's CPU support.
+global value itself.  It runs the cases with the plugin as installed, then uninstalls it and runs
+one reshard again (Paddle's own kernel must be back).
 """
-import argparse
-
 import numpy as np
 import paddle
 import paddle.distributed as dist
@@ -67,7 +64,7 @@ def two_dim_mesh(rank: int) -> dict:
     return {"got": out.tolist(), "expected": total[mp * 2:(mp + 1) * 2].tolist()}
 
 
-def stock_error(mesh, nranks: int, rank: int) -> str:
+def reshard_error(mesh, nranks: int, rank: int) -> str:
     try:
         partial_to_shard(mesh, nranks, rank, "float32", 2)
     except Exception as exc:  # noqa: BLE001  (the message is the result)
@@ -76,15 +73,9 @@ def stock_error(mesh, nranks: int, rank: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["plugin", "stock"], required=True)
-    args = parser.parse_args()
     dist.init_parallel_env()
     rank, nranks = dist.get_rank(), dist.get_world_size()
     mesh = dist.ProcessMesh(list(range(nranks)), dim_names=["x"])
-    if args.mode == "stock":
-        save_result({"rank": rank, "error": stock_error(mesh, nranks, rank)})
-        return
     from paddle_hybrid.gloo import kernels
 
     result = {"rank": rank, "cases": {}}
@@ -98,7 +89,7 @@ def main() -> None:
         result["cases"]["dp x mp: [R, P] -> [R, S(0)]"] = two_dim_mesh(rank)
     result["calls"] = {k: kernels.calls(k) for k in kernels.KERNELS}
     paddle_hybrid.uninstall()
-    result["after_uninstall"] = stock_error(mesh, nranks, rank)
+    result["after_uninstall"] = reshard_error(mesh, nranks, rank)
     save_result(result)
 
 

@@ -4,9 +4,11 @@ runs), tensor parallel, a pipeline across two meshes (send/recv, and eager autog
 ``GetDefaultPlace()``, a segfault on the stock CPU wheel), and tensor x pipeline on 4 ranks.
 
 The pipeline equals the one-process run bitwise (losses on the last stage, every parameter on
-the stage that holds it): the same arithmetic in another place.  Tensor parallel gives the same
-losses; its parameters differ by a few float32 ULPs after three AdamW steps (the row-parallel layer
-sums two partial products: seen 1.5e-8 absolute): :data:`REORDERED`.  Data parallel gives each rank
+the stage that holds it): the same arithmetic in another place.  Tensor parallel differs by a few
+float32 ULPs after three AdamW steps (the row-parallel layer sums two partial products: seen 1.5e-8
+absolute in parameters, 1e-7 relative in a loss on MKL's AVX2 path): :data:`REORDERED`.  Levels 1
+and 3 stand for the sharding levels (2 runs the same gradient reduce_scatter as 1; level 0 needs no
+new kernel).  Data parallel gives each rank
 half the batch: two local mean gradients summed against one mean over the whole batch, the same sum
 in another float32 order (seen 1e-7 relative, as in ``test_semi_auto_sharding.py``):
 :data:`DATA_PARALLEL`.  Without the plugin, levels 1-3 stop on reduce_scatter ("Unimplemented cpu
@@ -40,7 +42,7 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode, nranks, loss_ranks", [
-    ("dp0", 2, [0, 1]), ("dp1", 2, [0, 1]), ("dp2", 2, [0, 1]), ("dp3", 2, [0, 1]), ("mp", 2, [0, 1]),
+    ("dp1", 2, [0, 1]), ("dp3", 2, [0, 1]), ("mp", 2, [0, 1]),
     ("pp", 2, [1]), ("mppp", 4, [2, 3])])
 def test_parallelize_layout_equals_one_process(one_process, mode, nranks, loss_ranks):
     results = launch(WORKER, nprocs=nranks, args=["--mode", mode], timeout=300)
@@ -48,8 +50,10 @@ def test_parallelize_layout_equals_one_process(one_process, mode, nranks, loss_r
     for result in results:
         if result["rank"] in loss_ranks and mode.startswith("dp"):
             np.testing.assert_allclose(result["losses"], one_process["losses"], **DATA_PARALLEL)
-        elif result["rank"] in loss_ranks:
+        elif result["rank"] in loss_ranks and TOLERANCE[mode] is None:
             assert result["losses"] == one_process["losses"], (mode, result["rank"])
+        elif result["rank"] in loss_ranks:
+            np.testing.assert_allclose(result["losses"], one_process["losses"], **TOLERANCE[mode])
         else:  # a stage before the last computes no loss
             assert result["losses"] == [None] * len(one_process["losses"]), (mode, result["rank"])
         for name, value in result["params"].items():
