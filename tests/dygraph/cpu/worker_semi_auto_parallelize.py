@@ -2,8 +2,9 @@
 layout (``--mode``: ``dp0``..``dp3`` data parallel at a sharding level, ``mp`` column/row tensor
 parallel, ``pp`` the layers on two stages, ``mppp`` both on a 2 x 2 mesh, ``one`` no parallelism: the
 one-process reference), three AdamW steps on the same data (in data parallel each rank gets its
-half of the batch); saves the losses this rank sees and
-every parameter it holds, whole (``name: array``)."""
+half of the batch: ``dp3`` through ``dist.shard_dataloader(..., shard_dims="dp")``, which gives
+rank r samples [8k + 4r, 8k + 4r + 4) of step k, the others through ``dist.shard_tensor``); saves
+the losses this rank sees and every parameter it holds, whole (``name: array``)."""
 import argparse
 
 import numpy as np
@@ -47,6 +48,22 @@ def _whole(param):
     return whole._local_value().numpy() if whole._is_initialized() else None
 
 
+def _batches(mode: str, mesh):
+    """The same 3 batches of 8 in every mode (in data parallel each rank gets its half)."""
+    data = np.random.RandomState(0)
+    pairs = [(data.randn(8, 8).astype("float32"), data.randn(8, 4).astype("float32")) for _ in range(STEPS)]
+    if mode == "dp3":
+        samples = [(x[i], y[i]) for x, y in pairs for i in range(8)]
+        loader = paddle.io.DataLoader(samples, batch_size=8, shuffle=False)
+        yield from (tuple(batch) for batch in dist.shard_dataloader(loader, meshes=mesh, shard_dims="dp"))
+        return
+    for x, y in pairs:
+        x, y = paddle.to_tensor(x), paddle.to_tensor(y)
+        if mode.startswith("dp"):
+            x, y = (dist.shard_tensor(t, mesh, [dist.Shard(0)]) for t in (x, y))
+        yield x, y
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", required=True)
@@ -60,13 +77,8 @@ def main():
         mesh, config = _config(args.mode, dist.get_world_size())
         dist.auto_parallel.set_mesh(mesh)
         model, optimizer = dist.parallelize(model, optimizer, config=config)
-    data = np.random.RandomState(0)
     losses = []
-    for _ in range(STEPS):
-        x = paddle.to_tensor(data.randn(8, 8).astype("float32"))
-        y = paddle.to_tensor(data.randn(8, 4).astype("float32"))
-        if args.mode.startswith("dp"):  # data parallel: each rank its half of the batch
-            x, y = (dist.shard_tensor(t, mesh, [dist.Shard(0)]) for t in (x, y))
+    for x, y in _batches(args.mode, mesh if args.mode != "one" else None):
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         optimizer.step()
