@@ -27,6 +27,8 @@
 // exchange the even (or lower) rank sends first and its partner receives first.
 
 #include <atomic>
+#include <cstdio>
+#include <memory>
 #include <cstring>
 #include <map>
 #include <string>
@@ -36,6 +38,7 @@
 #include "paddle/phi/common/bfloat16.h"
 #include "paddle/phi/common/float16.h"
 #include "paddle/phi/common/place.h"
+#include "paddle/phi/core/allocator.h"
 #include "paddle/phi/core/dense_tensor.h"
 #include "paddle/phi/core/distributed/comm_context.h"
 #include "paddle/phi/core/enforce.h"
@@ -239,6 +242,42 @@ void AllToAll(const CPUContext& dev_ctx, const DenseTensor& x, DenseTensor* out)
   }
 }
 
+// -- all_to_all with a size per part (expert parallel's all_to_all_single) ---------------------
+
+// `bytes` bytes at `data` as a uint8 tensor that does not own them.
+DenseTensor Wrap(const char* data, int64_t bytes) {
+  auto holder = std::make_shared<phi::Allocation>(const_cast<char*>(data), static_cast<size_t>(bytes),
+                                                  phi::CPUPlace());
+  return DenseTensor(holder, phi::DenseTensorMeta(phi::DataType::UINT8, common::make_ddim({bytes})));
+}
+
+// Part p of `send` goes to rank p, part p of `recv` comes from rank p; parts lie one after
+// another, their sizes in bytes given by each side (the sizes two ranks give a pair must agree,
+// as for every all_to_all_single).  The same pairwise rounds as AllToAll; a part of no bytes is
+// not sent (its receiver expects none).
+void AllToAllV(GlooCommContext* comm, const char* send, const int64_t* send_bytes, char* recv,
+               const int64_t* recv_bytes) {
+  const int n = comm->GetSize(), r = comm->GetRank();
+  std::vector<int64_t> send_at(n + 1, 0), recv_at(n + 1, 0);
+  for (int p = 0; p < n; ++p) {
+    send_at[p + 1] = send_at[p] + send_bytes[p];
+    recv_at[p + 1] = recv_at[p] + recv_bytes[p];
+  }
+  PADDLE_ENFORCE_EQ(send_bytes[r], recv_bytes[r], common::errors::InvalidArgument(
+      "paddle_hybrid all_to_all: this rank sends itself %d bytes but expects %d.", send_bytes[r], recv_bytes[r]));
+  Copy<char>(recv + recv_at[r], send + send_at[r], send_bytes[r]);
+  const int seats = n % 2 == 0 ? n : n + 1;
+  for (int k = 0; k + 1 < seats; ++k) {
+    const int peer = Partner(r, k, seats);
+    if (peer >= n) continue;
+    const bool sends = send_bytes[peer] > 0, receives = recv_bytes[peer] > 0;
+    DenseTensor out = Wrap(recv + recv_at[peer], recv_bytes[peer]);
+    if (r < peer && sends) comm->Send(Wrap(send + send_at[peer], send_bytes[peer]), peer);
+    if (receives) comm->Recv(&out, peer);
+    if (r > peer && sends) comm->Send(Wrap(send + send_at[peer], send_bytes[peer]), peer);
+  }
+}
+
 // -- send / recv ----------------------------------------------------------------------------
 
 template <typename T>
@@ -335,6 +374,24 @@ void ph_gloo_set_vtable(const void* vtable) { gloo_vtable = vtable; }
 
 // How many calls of `kernel` did gloo work (the tests: a C++ reshard reached it).
 long long ph_gloo_calls(const char* kernel) { return Calls()[kernel].load(); }  // NOLINT
+
+// An all_to_all with a size per part on the gloo comm context `context` (a process group's,
+// `ProcessGroupGloo::GetCommContext()`); 0, or -1 with the reason in `error`.
+int ph_gloo_all_to_all_v(void* context, const char* send, const int64_t* send_bytes, char* recv,
+                         const int64_t* recv_bytes, char* error, int error_size) {
+  try {
+    PADDLE_ENFORCE_EQ(context != nullptr && gloo_vtable != nullptr &&
+                          *reinterpret_cast<const void* const*>(context) == gloo_vtable,
+                      true, common::errors::InvalidArgument(
+                          "paddle_hybrid all_to_all: the comm context is not a GlooCommContext."));
+    Count("AllToAllV");
+    AllToAllV(static_cast<GlooCommContext*>(context), send, send_bytes, recv, recv_bytes);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(error, error_size, "%s", e.what());
+    return -1;
+  }
+}
 
 // `phi::distributed::GetDefaultPlace()` for a process with no custom device.
 void* ph_cpu_default_place() { return reinterpret_cast<void*>(&CpuDefaultPlace); }

@@ -18,19 +18,14 @@ legacy ``alltoall(in, out)``           equal dim-0 parts (input first, as Paddle
 legacy ``alltoall_single(in, out, i, o)`` as ``all_to_all_single``
 =====================================  ==============================================
 
-**How the bytes move: a pairwise exchange.**  Each byte crosses the wire once, from its
-sender to its receiver, over the group's own gloo pairs; nothing is gathered everywhere.
-Gloo tags every operation of a process group with one counter per group, incremented by
-every send and every recv, and a recv only matches a send of the same tag.  So the exchange
-is organised in rounds in which every rank does exactly two operations with exactly one
-partner: for an even group size a round-robin schedule (the "circle method": ``n - 1``
-rounds, each a perfect matching), the lower rank of a pair sending first and the higher
-receiving first.  Both ranks of a pair then use the same two tags, and no rank waits on a
-rank that waits on someone else.  A part with no rows is still exchanged, as one dummy
-element, so that every rank's counter advances alike.  For an odd group size no perfect
-matching exists (some rank would idle a round and fall out of step); there, each rank in
-turn scatters its parts, padded to the largest part it sends (an all-gather of the split
-sizes first: ``n`` integers a rank).
+**How the bytes move: in C++, pairwise.**  ``ph_gloo_all_to_all_v`` of the plugin's op library
+(``custom_ops/gloo_kernels.cc``) runs on the group's own ``GlooCommContext`` (its address from
+:func:`.context_timeout.comm_context`): rounds of the circle method in which every rank exchanges
+with exactly one partner (``n - 1`` rounds for an even group, ``n`` with one rank idle a round
+for an odd one), the lower rank sending first.  Each byte crosses the wire once, from its sender
+straight out of the input tensor into the receiver's output tensor; a part of no rows is not
+sent.  (Before: the same schedule driven from Python, a ``send``/``recv`` call and a copy a part,
+and for an odd group a padded scatter per rank.)
 
 Per call, the device rule: a tensor that is not in host memory goes to Paddle's original
 method unchanged (which refuses it, as before); groups of another backend never reach this
@@ -44,93 +39,77 @@ import functools
 from ..registry.device import on_cpu
 from .collectives import DoneTask
 
-__all__ = ["apply", "PATCHED_METHODS", "round_robin_partner", "exchange", "exchange_single", "split_sizes"]
-
-
-# ---------------------------------------------------------------------------
-# the schedule
-# ---------------------------------------------------------------------------
-
-def round_robin_partner(rank: int, round_index: int, nranks: int) -> int:
-    """Partner of ``rank`` in round ``round_index`` (0 .. nranks - 2) of the circle method for an
-    even ``nranks``: rank ``nranks - 1`` stays put, the others rotate.  Every round pairs every
-    rank with exactly one other, and over the rounds every pair meets once."""
-    if nranks % 2:
-        raise ValueError(f"round_robin_partner needs an even group size, got {nranks}")
-    last = nranks - 1
-    if rank == last:
-        return round_index
-    if rank == round_index:
-        return last
-    return (2 * round_index - rank) % last
+__all__ = ["apply", "PATCHED_METHODS", "exchange", "exchange_single", "split_sizes"]
 
 
 # ---------------------------------------------------------------------------
 # the exchange
 # ---------------------------------------------------------------------------
 
-def _placeholder(like):
-    import paddle
-
-    return paddle.zeros([1], dtype=like.dtype)
+_native: dict = {}
 
 
-def _pair_exchange(pg, me, peer, send, recv) -> None:
-    """One round with one partner: two operations, the lower rank sending first."""
-    send = send if send.numel() > 0 else _placeholder(send)
-    target = recv if recv.numel() > 0 else _placeholder(recv)
-    if me < peer:
-        pg.send(send, peer, True)
-        pg.recv(target, peer, True)
-    else:
-        pg.recv(target, peer, True)
-        pg.send(send, peer, True)
+def _all_to_all_v():
+    """``ph_gloo_all_to_all_v`` of the op library, its argument types set, once; the library is
+    told ``GlooCommContext``'s vtable so it can check what it is given."""
+    if "fn" not in _native:
+        import ctypes
+
+        from .. import ops
+        from .kernels import set_gloo_vtable
+
+        library = ctypes.CDLL(ops.library_path())
+        set_gloo_vtable(library)
+        fn = library.ph_gloo_all_to_all_v
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int]
+        _native["fn"] = fn
+    return _native["fn"]
 
 
-def _scatter_rounds(pg, me, nranks, send_parts, recv_parts) -> None:
-    """Odd group sizes: rank ``root`` scatters its parts, each padded to the largest it sends."""
-    import paddle
+def _exchange_rows(pg, send, send_rows, recv, recv_rows) -> None:
+    """Dim-0 parts of contiguous CPU tensor ``send`` (``send_rows[p]`` rows to rank ``p``) into
+    contiguous ``recv`` (``recv_rows[p]`` rows from rank ``p``), in place."""
+    import ctypes
 
-    sizes = paddle.to_tensor([int(p.numel()) for p in send_parts], dtype="int64")
-    gathered = paddle.empty([nranks * nranks], dtype="int64")
-    pg.all_gather(gathered, sizes, True).wait()
-    table = gathered.numpy().reshape(nranks, nranks)  # table[root][dest] = elements root sends dest
-    dtype = send_parts[0].dtype
-    for root in range(nranks):
-        width = max(1, int(table[root].max()))
-        received = paddle.empty([width], dtype=dtype)
-        if root == me:
-            padded = paddle.zeros([nranks * width], dtype=dtype)
-            for dest, part in enumerate(send_parts):
-                n = int(part.numel())
-                if n:
-                    padded[dest * width:dest * width + n] = part.reshape([-1])
-        else:
-            padded = paddle.empty([nranks * width], dtype=dtype)  # only the root's input is read
-        pg.scatter(received, padded, root, True).wait()
-        n = int(table[root][me])
-        if root != me and n:
-            paddle.assign(received[:n].reshape(recv_parts[root].shape), output=recv_parts[root])
+    from .context_timeout import comm_context
+
+    nranks = pg.size()
+    row_bytes = _row_elements(send) * send.element_size()
+    send_bytes = (ctypes.c_int64 * nranks)(*[int(r) * row_bytes for r in send_rows])
+    recv_bytes = (ctypes.c_int64 * nranks)(*[int(r) * row_bytes for r in recv_rows])
+    error = ctypes.create_string_buffer(2048)
+    status = _all_to_all_v()(comm_context(pg), send.data_ptr() if send.numel() else None, send_bytes,
+                             recv.data_ptr() if recv.numel() else None, recv_bytes, error, len(error))
+    if status:
+        raise RuntimeError(error.value.decode(errors="replace"))
+
+
+def _row_elements(tensor) -> int:
+    elements = 1
+    for size in tensor.shape[1:]:
+        elements *= int(size)
+    return elements
 
 
 def exchange(pg, send_parts, recv_parts) -> None:
     """Rank ``p`` of ``pg`` receives ``send_parts[p]`` of every rank into its ``recv_parts``.
 
     ``send_parts[p]`` and ``recv_parts[p]`` are dense CPU tensors of one dtype; ``recv_parts``
-    are written in place (the own part is a copy)."""
+    are written in place."""
     import paddle
 
-    nranks, me = pg.size(), pg.rank()
-    if send_parts[me].numel() > 0:
-        paddle.assign(send_parts[me].reshape(recv_parts[me].shape), output=recv_parts[me])
-    if nranks == 1:
-        return
-    if nranks % 2:
-        _scatter_rounds(pg, me, nranks, send_parts, recv_parts)
-        return
-    for round_index in range(nranks - 1):
-        peer = round_robin_partner(me, round_index, nranks)
-        _pair_exchange(pg, me, peer, send_parts[peer], recv_parts[peer])
+    flat = [part.reshape([-1]) for part in send_parts]
+    send = paddle.concat(flat) if flat else paddle.empty([0])
+    recv = paddle.empty([sum(int(p.numel()) for p in recv_parts)], dtype=send.dtype)
+    _exchange_rows(pg, send, [int(p.numel()) for p in send_parts], recv, [int(p.numel()) for p in recv_parts])
+    start = 0
+    for part in recv_parts:
+        n = int(part.numel())
+        if n:
+            paddle.assign(recv[start:start + n].reshape(part.shape), output=part)
+        start += n
 
 
 # ---------------------------------------------------------------------------
@@ -181,12 +160,14 @@ def exchange_single(pg, out_tensor, in_tensor, out_sizes, in_sizes) -> None:
                          f"{list(out_tensor.shape)} differ beyond dim 0.")
     in_sizes = split_sizes(in_sizes, in_tensor.shape[0], nranks, "in")
     out_sizes = split_sizes(out_sizes, out_tensor.shape[0], nranks, "out")
-    send = _row_parts(in_tensor, in_sizes)
-    row_shape = list(out_tensor.shape[1:])
-    recv = [paddle.empty([size] + row_shape, dtype=out_tensor.dtype) for size in out_sizes]
     with paddle.no_grad():
-        exchange(pg, send, recv)
-        paddle.assign(paddle.concat(recv, axis=0) if recv else out_tensor, output=out_tensor)
+        send = in_tensor.contiguous()
+        if out_tensor.is_contiguous():
+            _exchange_rows(pg, send, in_sizes, out_tensor, out_sizes)
+            return
+        recv = paddle.empty(out_tensor.shape, dtype=out_tensor.dtype)
+        _exchange_rows(pg, send, in_sizes, recv, out_sizes)
+        paddle.assign(recv, output=out_tensor)
 
 
 def _tensor_list(pg, out_list, in_list) -> None:

@@ -31,7 +31,7 @@ import os
 import platform
 import re
 
-__all__ = ["GlooTimeoutUnavailable", "available", "get_timeout_ms", "set_timeout_ms"]
+__all__ = ["GlooTimeoutUnavailable", "available", "comm_context", "get_timeout_ms", "set_timeout_ms"]
 
 _GET_COMM_CONTEXT = "_ZN6paddle11distributed16ProcessGroupGloo14GetCommContextEv"
 _SET_TIMEOUT = "_ZN4gloo7Context10setTimeoutENSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"
@@ -126,8 +126,9 @@ def _int(raw: bytes, offset: int) -> int:
     return int.from_bytes(raw[offset:offset + 4], "little", signed=True)
 
 
-def _gloo_context(process_group) -> int:
-    """Address of the ``gloo::Context`` the group's operations use, its layout checked."""
+def comm_context(process_group) -> int:
+    """Address of the ``phi::distributed::GlooCommContext`` every operation of ``process_group`` (a
+    ``ProcessGroupGloo``) runs on, its virtual table checked (:mod:`.all_to_all` hands it to C++)."""
     lib = _load()
     capsule_new = ctypes.pythonapi.PyCapsule_New
     capsule_new.restype, capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -142,9 +143,16 @@ def _gloo_context(process_group) -> int:
     comm = lib["get_comm"](get_pointer(out, _PG_CAPSULE))
     if not comm:
         raise GlooTimeoutUnavailable("the group has no gloo comm context")
-    head = _read(comm, 24)  # vptr, int rank, int size, shared_ptr<gloo::rendezvous::Context> (pointer first)
-    if _word(head, 0) != lib["comm_vptr"]:
+    if _word(_read(comm, 8), 0) != lib["comm_vptr"]:
         raise GlooTimeoutUnavailable("the group's comm context is not the GlooCommContext this was written for")
+    return comm
+
+
+def _gloo_context(process_group) -> int:
+    """Address of the ``gloo::Context`` the group's operations use, its layout checked."""
+    lib = _load()
+    comm = comm_context(process_group)
+    head = _read(comm, 24)  # vptr, int rank, int size, shared_ptr<gloo::rendezvous::Context> (pointer first)
     context = _word(head, 16)
     gloo = _read(context, 16)  # vptr, int rank, int size
     if _word(gloo, 0) != lib["gloo_vptr"] or (_int(gloo, 8), _int(gloo, 12)) != (_int(head, 8), _int(head, 12)):

@@ -84,6 +84,15 @@ def slots(path: str | None = None) -> list:
     return found
 
 
+def set_gloo_vtable(library) -> None:
+    """Tell the op library where a ``GlooCommContext``'s vtable pointer points: how its functions
+    tell a gloo comm context from any other."""
+    phi = ctypes.CDLL(_phi_core())
+    library.ph_gloo_set_vtable.argtypes = [ctypes.c_void_p]
+    # An object's vtable pointer points two words into its class's vtable symbol (offset, typeinfo).
+    library.ph_gloo_set_vtable(ctypes.cast(getattr(phi, _GLOO_VTABLE), ctypes.c_void_p).value + 16)
+
+
 def calls(kernel: str) -> int:
     """How many calls of ``kernel`` did gloo work in this process."""
     library = _ops_library()
@@ -124,9 +133,7 @@ def _point_slots(patcher) -> list:
     library = _ops_library()
     phi = ctypes.CDLL(_phi_core())  # the loaded library again: it defines them, for the originals
     library.ph_gloo_set_original.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p]
-    library.ph_gloo_set_vtable.argtypes = [ctypes.c_void_p]
-    # An object's vtable pointer points two words into its class's vtable symbol (offset, typeinfo).
-    library.ph_gloo_set_vtable(ctypes.cast(getattr(phi, _GLOO_VTABLE), ctypes.c_void_p).value + 16)
+    set_gloo_vtable(library)
     custom = _custom_devices()
     replaced = []
     for path in _callers():
