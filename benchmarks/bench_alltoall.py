@@ -1,12 +1,13 @@
 """All-to-all on gloo, side by side in one run, 2 and 4 ranks, 4 KB to 64 MB a rank:
 
-* **plugin**: ``dist.alltoall_single`` with ``paddle_hybrid`` (the round-robin pairwise exchange);
+* **plugin**: ``dist.alltoall_single`` with ``paddle_hybrid`` (the pairwise exchange in C++ on the
+  group's gloo context);
 * **all_gather exchange**: what one writes without it: all_gather every rank's whole input, keep
   the parts addressed to this rank (moves ``n`` times the bytes);
 * **all_reduce, same bytes**: one gloo ``all_reduce`` of a buffer as large as a rank's input
   (an all-to-all moves about half the bytes of an all_reduce: the target is <= 1.0x its time);
-* **torch all_to_all_single**: PyTorch's on gloo (optional: skipped with the reason if torch is
-  missing; target <= 1.2x its time).
+* **torch all_to_all_single**: PyTorch's on gloo (``--torch-python PATH`` names an interpreter
+  with torch, default this one; without torch the column says why; target <= 1.2x its time).
 
 Also one MoE step (``MoELayer``, naive top-2 gate, forward + backward) with experts over EP=2
 against one process holding all experts and running both ranks' tokens.
@@ -169,7 +170,28 @@ def _run(cmd, env):
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
-def measure(ranks, max_kb, work):
+def torch_python(given: str | None):
+    """The interpreter with PyTorch: ``given`` (``--torch-python``, or ``PADDLE_HYBRID_TORCH_PYTHON``),
+    else this one if it imports torch; ``(python, None)`` or ``(None, why not)``."""
+    given = given or os.environ.get("PADDLE_HYBRID_TORCH_PYTHON")
+    python = given or sys.executable
+    probe = subprocess.run([python, "-c", "import torch, torch.distributed as d; assert d.is_gloo_available()"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        return None, f"no PyTorch with gloo in {python} ({probe.stderr.strip().splitlines()[-1:]}); " \
+                     "give --torch-python PATH (or PADDLE_HYBRID_TORCH_PYTHON) for its columns"
+    return python, None
+
+
+def run_torch(python, script, ranks, max_kb, out, work, env):
+    """``script --worker torch`` on ``ranks`` PyTorch gloo ranks with ``python``; its JSON rows."""
+    _run([python, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(_free_port()),
+          script, "--worker", "torch", "--max-kb", str(max_kb), "--out", out], env)
+    with open(out) as f:
+        return json.load(f)
+
+
+def measure(ranks, max_kb, work, torch_exe=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="2", PYTHONPATH=ROOT)
     out = os.path.join(work, f"paddle{ranks}.json")
     _run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(ranks), "--log_dir",
@@ -177,20 +199,12 @@ def measure(ranks, max_kb, work):
          env)
     with open(out) as f:
         rows = json.load(f)
-    torch_note = ""
-    try:
-        import torch  # noqa: F401
-
-        tout = os.path.join(work, f"torch{ranks}.json")
-        _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-              str(_free_port()),
-              __file__, "--worker", "torch", "--max-kb", str(max_kb), "--out", tout], env)
-        with open(tout) as f:
-            for kb, cell in json.load(f).items():
-                rows[kb].update(cell)
-    except ImportError as exc:
-        torch_note = f"torch not installed ({exc}); pip install torch==2.13.0 for its column"
-    return rows, torch_note
+    python, torch_note = torch_exe or (None, "no PyTorch")
+    if python:
+        for kb, cell in run_torch(python, __file__, ranks, max_kb, os.path.join(work, f"torch{ranks}.json"), work,
+                                  env).items():
+            rows[kb].update(cell)
+    return rows, torch_note or ""
 
 
 def _free_port():
@@ -212,17 +226,19 @@ def main():
     parser.add_argument("--worker", choices=["paddle", "torch"])
     parser.add_argument("--max-kb", type=int)
     parser.add_argument("--out")
+    parser.add_argument("--torch-python", help="a Python with PyTorch (default: this one, if it has torch)")
     args = parser.parse_args()
     if args.worker == "paddle":
         return paddle_worker(args.max_kb, args.out)
     if args.worker == "torch":
         return torch_worker(args.max_kb, args.out)
+    torch_exe = torch_python(args.torch_python)
 
     max_kb = int(args.max_mb * 1024)
     report = {"date": time.strftime("%Y-%m-%d"), "sizes_kb": [s for s in SIZES_KB if s <= max_kb], "ranks": {}}
     with tempfile.TemporaryDirectory() as work:
         for ranks in args.ranks:
-            rows, note = measure(ranks, max_kb, work)
+            rows, note = measure(ranks, max_kb, work, torch_exe)
             report["ranks"][ranks] = rows
             print(f"\n{ranks} ranks, ms per call (median; slowest rank){'; ' + note if note else ''}")
             print(f"{'KB a rank':>10} {'plugin':>9} {'all_gather':>10} {'all_reduce':>10} {'torch':>9}  "

@@ -80,8 +80,8 @@ def _exchange_rows(pg, send, send_rows, recv, recv_rows) -> None:
     send_bytes = (ctypes.c_int64 * nranks)(*[int(r) * row_bytes for r in send_rows])
     recv_bytes = (ctypes.c_int64 * nranks)(*[int(r) * row_bytes for r in recv_rows])
     error = ctypes.create_string_buffer(2048)
-    status = _all_to_all_v()(comm_context(pg), send.data_ptr() if send.numel() else None, send_bytes,
-                             recv.data_ptr() if recv.numel() else None, recv_bytes, error, len(error))
+    status = _all_to_all_v()(comm_context(pg), send.data_ptr() if sum(send_rows) else None, send_bytes,
+                             recv.data_ptr() if sum(recv_rows) else None, recv_bytes, error, len(error))
     if status:
         raise RuntimeError(error.value.decode(errors="replace"))
 
