@@ -20,6 +20,7 @@ __all__ = ["MOVED", "new_name", "install_finder", "moved_attribute"]
 MOVED = {
     # the gloo backend became a layer of its own (paddle_hybrid.gloo)
     "paddle_hybrid.common.gloo_timeout": "paddle_hybrid.gloo.context_timeout",
+    "paddle_hybrid.dygraph.paddleformers_fixes.import_hook": "paddle_hybrid.common.import_hook",
     "paddle_hybrid.common.prefix_store": "paddle_hybrid.gloo.prefix_store",
     "paddle_hybrid.common.sockets": "paddle_hybrid.gloo.sockets",
     "paddle_hybrid.dygraph.cpu.groups": "paddle_hybrid.gloo.groups",

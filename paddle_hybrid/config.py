@@ -38,6 +38,7 @@ KINDS = {
     "seconds": "seconds in TIMEOUT_RANGE",
     "optional_seconds": "None (the general timeout) or seconds in TIMEOUT_RANGE",
     "names": "a tuple of names (environment: comma-separated)",
+    "path": "None or a directory (a str)",
 }
 """Every kind of field, and what it takes.  ``auto_on_off``, ``unrun`` and ``opt_in`` are the gated
 paths of the device rule (:mod:`paddle_hybrid.registry.gate`)."""
@@ -172,6 +173,18 @@ class PluginConfig:
     of waiting about 40 ms for the peer's acknowledgement of the previous piece: every store
     request goes from about 44 ms to well under 1 ms (:mod:`paddle_hybrid.gloo.tcp_store`)
     (``PADDLE_HYBRID_STORE_NODELAY``)."""
+
+    check_replicas: int = setting(0, "count")
+    """Every this many optimizer steps of a fleet (hybrid parallel) run, compare a digest of every
+    parameter that should be the same on several ranks: within each tensor-parallel, data-parallel
+    and sharding group, and a weight tied across pipeline stages; stop with the parameter, the
+    group and the ranks that differ (:mod:`paddle_hybrid.dygraph.replica_check`); 0 is off
+    (``PADDLE_HYBRID_CHECK_REPLICAS``)."""
+
+    verify_dir: str | None = setting(None, "path")
+    """Set by ``python -m paddle_hybrid.verify`` for the runs it makes: the directory a run records
+    its losses and parameters in, and reads its plan from (:mod:`paddle_hybrid.dygraph.verify_record`)
+    (``PADDLE_HYBRID_VERIFY_DIR``)."""
 
     force_unverified: tuple = setting((), "names", env="PADDLE_HYBRID_FORCE")
     """Components to install even on a Paddle version they were not verified on: names as
@@ -339,6 +352,7 @@ _READERS = {
     "auto_on_off": lambda name, raw: raw.strip().lower(),
     "count": _read_int, "seconds": _read_float, "optional_seconds": _read_float,
     "names": lambda name, raw: tuple(n.strip() for n in raw.split(",") if n.strip()),
+    "path": lambda name, raw: raw.strip(),
 }
 
 
@@ -359,5 +373,7 @@ def _check(field: str, kind: str, value) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
             raise ValueError(f"PluginConfig.{field} must be a number of seconds in [{low:g}, {high:g}], got "
                              f"{value!r} {where}.")
+    if kind == "path" and value is not None and (not isinstance(value, str) or not value):
+        raise TypeError(f"PluginConfig.{field} must be None or a directory path, got {value!r} {where}.")
     if kind == "names" and (not isinstance(value, tuple) or not all(isinstance(n, str) for n in value)):
         raise TypeError(f"PluginConfig.{field} must be a tuple of component names, got {value!r} {where}.")

@@ -15,6 +15,7 @@ from ..dygraph.expert_parallel import COMPONENT as expert_parallel
 from ..dygraph.fleet_fixes import COMPONENT as fleet_fixes
 from ..dygraph.grad_buckets import COMPONENT as grad_buckets
 from ..dygraph.paddleformers_fixes import COMPONENT as paddleformers_fixes
+from ..dygraph.replica_check import COMPONENT as replica_check
 from ..dygraph.timeline import COMPONENT as timeline
 from ..static.auto_parallel_cpu import COMPONENT as auto_parallel_cpu
 from ..static.fused_allreduce import COMPONENT as fused_allreduce
@@ -36,6 +37,7 @@ COMPONENTS = [
     static_pipeline,
     auto_parallel_cpu,
     grad_buckets,  # after fleet_fixes: both wrap HybridParallelOptimizer._hybrid_sync_grad
+    replica_check,
     agreement,  # after grad_buckets: its fleet.distributed_model wrapper is outermost, so it checks first
     cuda_graph,
     cuda_malloc_async,

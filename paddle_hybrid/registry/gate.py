@@ -64,6 +64,10 @@ def off_switch(field: str) -> str:
     path = GATED.get(field)
     if path is not None and path.kind == "auto_on_off":
         return f"{_env(field)}=off (PluginConfig({field}='off'))"
+    if kind_of(field) == "count":
+        return f"{_env(field)}=0 (PluginConfig({field}=0))"
+    if kind_of(field) == "path":
+        return f"{_env(field)} unset (PluginConfig({field}=None))"
     return f"{_env(field)}=0 (PluginConfig({field}=False))"
 
 
@@ -78,6 +82,10 @@ def decide(config, field: str, accelerator: str | None = ...) -> Decision:
     :func:`~.device.accelerator_build` (tests pass one)."""
     value = getattr(config, field)
     path = GATED.get(field)
+    if path is None and kind_of(field) == "count":  # a period: 0 is off
+        return Decision(value > 0, "" if value > 0 else f"off ({field}=0)")
+    if path is None and kind_of(field) == "path":  # a directory: unset is off
+        return Decision(value is not None, "" if value is not None else f"off ({field} not set)")
     if path is None:  # a plain switch
         if not isinstance(value, bool):
             raise TypeError(f"paddle_hybrid.registry.gate: {field!r} is not a switch of PluginConfig.")

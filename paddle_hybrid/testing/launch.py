@@ -81,9 +81,13 @@ def launch(
     timeout: float = 300.0,
     env: dict | None = None,
     keep_dir: str | None = None,
+    results: bool = True,
+    launcher: str = "paddle.distributed.launch",
 ) -> list:
     """Run ``script`` on ``nprocs`` CPU ranks over gloo; return each rank's
-    :func:`save_result` object, indexed by rank."""
+    :func:`save_result` object, indexed by rank (``results=False``: a script that saves none;
+    only its exit status counts, and ``[]`` is returned).  ``launcher``: the launcher module
+    (``"paddle_hybrid.launch"`` imports the plugin in every worker, for a script that does not)."""
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}.")
     if not os.path.exists(script):
@@ -107,7 +111,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        "paddle.distributed.launch",
+        launcher,
         "--nproc_per_node",
         str(nprocs),
         "--log_dir",
@@ -142,13 +146,13 @@ def launch(
             f"launch: {script} on {nprocs} ranks exited with {proc.returncode} after "
             f"{elapsed:.1f} s.\nlauncher output (tail):\n{out[-3000:]}\n{_logs(log_dir)}"
         )
-    results = []
-    for r in range(nprocs):
+    saved = []
+    for r in range(nprocs if results else 0):
         path = os.path.join(res_dir, f"rank{r}.pkl")
         if not os.path.exists(path):
             raise LaunchError(f"launch: rank {r} of {script} saved no result.\n{_logs(log_dir)}")
         with open(path, "rb") as f:
-            results.append(pickle.load(f))
+            saved.append(pickle.load(f))
     if keep_dir is None:
         shutil.rmtree(work, ignore_errors=True)
-    return results
+    return saved

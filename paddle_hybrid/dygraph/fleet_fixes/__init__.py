@@ -21,6 +21,9 @@ fix                           what it fixes (details in the module docstring)
                               another, restarts from zero with a warning
 :mod:`.process_mesh_numpy2`   ``ProcessMesh.get_rank_by_dim_and_process_id``
                               (``shard_dataloader``) stops under NumPy 2
+:mod:`.one_process_model`     ``fleet.distributed_model(layer)`` in one process
+                              asserts a ``PipelineLayer``: a plain fleet
+                              script cannot run on one process
 :mod:`.uneven_reshard`        ``dist.reshard`` Shard -> Shard of a dimension
                               that does not divide by the mesh: an error on
                               some ranks, a hang on the others
@@ -33,13 +36,14 @@ from __future__ import annotations
 
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
-from . import (moe_empty_experts, moe_scatter_grad, no_pipeline_dp, process_mesh_numpy2, sharding_v2_grads,
+from . import (moe_empty_experts, moe_scatter_grad, no_pipeline_dp, one_process_model, process_mesh_numpy2,
+               sharding_v2_grads,
                shared_weight_norm, stage3_param_groups, tied_optimizer_state, uneven_reshard)
 
 __all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
 
 FIXES = (shared_weight_norm, no_pipeline_dp, sharding_v2_grads, stage3_param_groups, moe_scatter_grad,
-         moe_empty_experts, tied_optimizer_state, process_mesh_numpy2, uneven_reshard)
+         moe_empty_experts, tied_optimizer_state, process_mesh_numpy2, uneven_reshard, one_process_model)
 
 
 def apply(config, patcher: Patcher) -> None:

@@ -14,7 +14,7 @@ fix                      what it mends (details in the module's docstring)
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
-fixes wait for ``paddleformers.trainer.trainer`` (:mod:`.import_hook`) and are made, through this
+fixes wait for ``paddleformers.trainer.trainer`` (:mod:`paddle_hybrid.common.import_hook`) and are made, through this
 component's Patcher, when it is first imported; :func:`paddle_hybrid.patches` lists them from then
 on.  They were written for PaddleFormers ``VERIFIED_PADDLEFORMERS``; with another version the
 fixes are not made and a warning names the version and the switch.
@@ -66,7 +66,7 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
 
 
 def apply(config, patcher: Patcher) -> str:
-    from .import_hook import when_imported
+    from ...common.import_hook import when_imported
 
     cancel = when_imported(TRAINER_MODULE, lambda module: _fix_trainer(patcher, module))
     patcher.on_revert(cancel, f"the wait for {TRAINER_MODULE}")

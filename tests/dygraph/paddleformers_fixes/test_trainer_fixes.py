@@ -9,7 +9,7 @@ import pytest
 import paddle
 import paddle_hybrid
 from paddle_hybrid.dygraph.fleet_fixes.tied_optimizer_state import add_tied_names
-from paddle_hybrid.dygraph.paddleformers_fixes.import_hook import when_imported
+from paddle_hybrid.common.import_hook import when_imported
 
 
 @pytest.fixture
