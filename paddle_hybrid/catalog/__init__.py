@@ -17,6 +17,7 @@ from ..dygraph.grad_buckets import COMPONENT as grad_buckets
 from ..dygraph.paddleformers_fixes import COMPONENT as paddleformers_fixes
 from ..dygraph.replica_check import COMPONENT as replica_check
 from ..dygraph.timeline import COMPONENT as timeline
+from ..dygraph.verify_record import COMPONENT as verify_record
 from ..static.auto_parallel_cpu import COMPONENT as auto_parallel_cpu
 from ..static.fused_allreduce import COMPONENT as fused_allreduce
 from ..static.reshard import COMPONENT as reshard
@@ -38,6 +39,7 @@ COMPONENTS = [
     auto_parallel_cpu,
     grad_buckets,  # after fleet_fixes: both wrap HybridParallelOptimizer._hybrid_sync_grad
     replica_check,
+    verify_record,
     agreement,  # after grad_buckets: its fleet.distributed_model wrapper is outermost, so it checks first
     cuda_graph,
     cuda_malloc_async,

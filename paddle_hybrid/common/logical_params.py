@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["unwrap", "named_parameters", "is_split", "whole", "digest", "groups", "shared_weights",
+__all__ = ["unwrap", "named_parameters", "aliases", "is_split", "whole", "digest", "groups", "shared_weights",
            "NoSplitAxisError"]
 
 
@@ -51,6 +51,23 @@ def named_parameters(model) -> list:
             named.append((name, value))
             seen.add(id(value))
     return named
+
+
+def aliases(model) -> dict:
+    """``{other name: name}`` for a parameter the model holds under two names (a tied embedding
+    and LM head in one process), ``name`` being the one :func:`named_parameters` gives."""
+    inner = unwrap(model)
+    primary = {id(p): name for name, p in named_parameters(model)}
+    try:
+        state = inner.state_dict()
+    except Exception:  # noqa: BLE001
+        state = {}
+    out = {}
+    for name, value in list(state.items()) + list(inner.named_parameters(include_sublayers=True)):
+        first = primary.get(id(value))
+        if first is not None and name != first:
+            out[name] = first
+    return out
 
 
 def is_split(param) -> bool:
