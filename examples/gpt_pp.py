@@ -31,6 +31,11 @@ import time
 
 import numpy as np
 
+# How `python -m paddle_hybrid.verify` gives this script a layout: the flag of each degree, and the
+# per-replica batch it divides by the data-parallel replicas (so every layout trains one global batch).
+PADDLE_HYBRID_LAYOUT_FLAGS = {"mp": "--mp", "pp": "--pp", "dp": "--dp", "sharding": "--sharding",
+                              "sp": "--sequence-parallel", "batch": "--micro-batch-size"}
+
 # --------------------------------------------------------------------------- arguments
 
 

@@ -12,7 +12,7 @@ import time
 
 from . import DEFAULT_ATOL, DEFAULT_RTOL, EXIT_DIFFERS, EXIT_EQUAL, EXIT_FAILED, run_layout
 from . import compare as compare_mod
-from .layouts import KINDS, LayoutError, kind_of, parse_layouts, script_flags
+from .layouts import KINDS, LayoutError, kind_of, layout_args, parse_layouts, script_flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,6 +44,8 @@ def main(argv=None) -> int:
             source = f.read()
         kind = kind_of(source) if opts.kind == "auto" else opts.kind
         flags = script_flags(source) if kind == "flags" else None
+        for layout in [None, *layouts]:  # every layout's arguments made before any run: fail fast
+            layout_args(kind, opts.args, layout, flags)
     except (LayoutError, OSError, SyntaxError, ValueError) as exc:
         print(f"paddle_hybrid.verify: {exc}", file=sys.stderr)
         return EXIT_FAILED

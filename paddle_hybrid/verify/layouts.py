@@ -152,23 +152,22 @@ def layout_args(kind: str, args: list, layout: Layout | None, flags: dict | None
             extra += ["--sequence_parallel", "true"]
         return args + extra
     if kind == "flags":
-        if layout is None:
-            return list(args)
+        degrees = layout.degrees if layout is not None else {"mp": 1, "pp": 1, "dp": 1, "sharding": 1}
         out = _without(list(args), [flags[k] for k in ("mp", "pp", "dp", "sharding", "batch") if k in flags])
         out = [a for a in out if a != flags.get("sp")]
-        for key in ("mp", "pp", "dp", "sharding"):
-            if layout.degrees[key] > 1:
-                if key not in flags:
-                    raise LayoutError(f"layout {layout.name}: the script's PADDLE_HYBRID_LAYOUT_FLAGS has no {key!r}")
-                out += [flags[key], str(layout.degrees[key])]
-        if layout.sequence_parallel:
+        for key in ("mp", "pp", "dp", "sharding"):  # every degree stated: the script's defaults may be others
+            if key in flags:
+                out += [flags[key], str(degrees[key])]
+            elif degrees[key] > 1:
+                raise LayoutError(f"layout {layout.name}: the script's PADDLE_HYBRID_LAYOUT_FLAGS has no {key!r}")
+        if layout is not None and layout.sequence_parallel:
             out.append(flags["sp"])
-        if "batch" in flags and layout.replicas > 1:
-            given = _value(list(args), flags["batch"])
-            if given is None:
-                raise LayoutError(f"layout {layout.name}: give {flags['batch']} on the command line, so the verifier "
-                                  f"can split it over the {layout.replicas} data-parallel replicas")
-            out += [flags["batch"], _share(given, layout.replicas, flags["batch"], layout)]
+        given = _value(list(args), flags["batch"]) if "batch" in flags else None
+        if given is not None:
+            out += [flags["batch"], _share(given, layout.replicas, flags["batch"], layout) if layout else given]
+        elif layout is not None and layout.replicas > 1 and "batch" in flags:
+            raise LayoutError(f"layout {layout.name}: give {flags['batch']} on the command line, so the verifier "
+                              f"can split it over the {layout.replicas} data-parallel replicas")
         return out
     return list(args)
 

@@ -20,8 +20,9 @@ Where the numbers come from:
   ``paddleformers.trainer.trainer``): the loss it logs (the verifier asks for
   ``--logging_steps 1``), the model at step 1 and at the end of training;
 * a **fleet script**: ``fleet.distributed_optimizer``'s optimizer (its ``step`` counts steps), the
-  loss of ``PipelineParallel.train_batch`` or, without a pipeline, the mean of the scalars
-  ``backward()`` was called on in that step; the model ``fleet.distributed_model`` returned; the
+  loss of ``PipelineParallel.train_batch`` or, without a pipeline, the sum of the scalars
+  ``backward()`` was called on in that step (a script that accumulates scales each micro-batch's
+  loss by 1 / micro-batches: the sum is the step's mean loss); the model ``fleet.distributed_model`` returned; the
   end at the process's exit.
 
 Written into the directory, per rank: ``rank<R>.json`` (its coordinates, its losses, its replica
@@ -69,7 +70,9 @@ class Recorder:
     def step_done(self, loss: float | None = None) -> None:
         self.steps += 1
         if loss is None and self.pending:
-            loss = sum(self.pending) / len(self.pending)
+            # a script accumulating gradients scales each micro-batch's loss by 1 / micro-batches
+            # before backward(): the sum is the step's mean loss (what a pipeline's train_batch gives)
+            loss = sum(self.pending)
         self.pending = []
         if loss is not None:
             self.losses[self.steps] = float(loss)
@@ -248,13 +251,18 @@ def _make_train_batch(original, config):
     @functools.wraps(original)
     def train_batch(self, *args, **kwargs):
         recorder = _recorder(config)
-        recorder.in_pipeline = True
+        recorder.in_pipeline, steps_before = True, recorder.steps
         try:
             loss = original(self, *args, **kwargs)
         finally:
             recorder.in_pipeline = False
         if loss is not None and not recorder.trainer:
-            recorder.pending = [float(loss)]
+            value = float(loss.reshape([-1]).numpy()[0])  # [1] or [] as the schedule returns it
+            if recorder.steps > steps_before:  # the optimizer was given to train_batch and stepped in it
+                recorder.losses[recorder.steps] = value
+                recorder.write()
+            else:
+                recorder.pending = [value]
         return loss
 
     return train_batch
@@ -319,6 +327,7 @@ def apply(config, patcher) -> str:
     import paddle
     from paddle.distributed import fleet
     from paddle.distributed.fleet.meta_parallel import PipelineParallel
+    from paddle.distributed.fleet.meta_parallel.pipeline_parallel import NoPipelineParallel
 
     with open(os.path.join(config.verify_dir, "plan.json")) as f:
         plan = json.load(f)
@@ -330,7 +339,9 @@ def apply(config, patcher) -> str:
         patcher.require(fleet, "distributed_optimizer", "paddle.distributed.fleet"), config))
     patcher.set(paddle.Tensor, "backward", _make_backward(patcher.require(paddle.Tensor, "backward", "paddle.Tensor"),
                                                           config))
-    for cls in _pipeline_classes(PipelineParallel):  # the interleaved schedule has a train_batch of its own
+    # every pipeline schedule (the interleaved one has a train_batch of its own; one process a
+    # PipelineLayer runs in NoPipelineParallel's)
+    for cls in _pipeline_classes(PipelineParallel) + _pipeline_classes(NoPipelineParallel):
         patcher.set(cls, "train_batch", _make_train_batch(cls.__dict__["train_batch"], config))
     _hook_trainer(config, patcher)
     return f"recording layout {plan.get('layout')} into {config.verify_dir}"
