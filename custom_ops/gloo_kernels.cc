@@ -164,6 +164,21 @@ void Copy(T* to, const T* from, int64_t n) {
   if (n > 0) std::memcpy(to, from, sizeof(T) * n);
 }
 
+// `n` elements at `data` as a uint8 tensor that does not own them: what is sent is read
+// straight from an input and what arrives is written straight into an output, no copies.
+// (Every send and receive of these kernels goes through this, so both sides of a message
+// count it in bytes.)
+DenseTensor Wrap(const char* data, int64_t bytes) {
+  auto holder = std::make_shared<phi::Allocation>(const_cast<char*>(data), static_cast<size_t>(bytes),
+                                                  phi::CPUPlace());
+  return DenseTensor(holder, phi::DenseTensorMeta(phi::DataType::UINT8, common::make_ddim({bytes})));
+}
+
+template <typename T>
+DenseTensor Wrap(const T* data, int64_t n) {
+  return Wrap(reinterpret_cast<const char*>(data), n * static_cast<int64_t>(sizeof(T)));
+}
+
 // -- reduce_scatter -----------------------------------------------------------------------
 
 template <typename T>
@@ -188,12 +203,15 @@ void ReduceScatter(const CPUContext& dev_ctx, const DenseTensor& x, int nranks, 
   }
   const int64_t c = x.numel() / n;  // elements of one chunk
   const T* in = x.data<T>();
-  DenseTensor partial = Buffer<T>(dev_ctx, x, rows), received = Buffer<T>(dev_ctx, x, rows);
+  // `partial` holds the running sum this rank passes on (from step 1: step 0 sends its own
+  // chunk straight from the input); `received` what comes from the previous rank.
+  DenseTensor partial = Buffer<T>(dev_ctx, x, n > 2 ? rows : 0), received = Buffer<T>(dev_ctx, x, rows);
   const int next = (r + 1) % n, prev = (r + n - 1) % n;
   for (int s = 0; s + 1 < n; ++s) {
     const int send_k = ((r - s - 1) % n + n) % n, recv_k = ((r - s - 2) % n + n) % n;
-    if (s == 0) Copy<T>(partial.data<T>(), in + send_k * c, c);  // later steps send the last sum
-    SendRecv(comm, r % 2 == 0, partial, next, &received, prev);
+    const T* to_send = s == 0 ? in + send_k * c : partial.data<T>();
+    DenseTensor in_flight = Wrap<T>(received.data<T>(), c);
+    SendRecv(comm, r % 2 == 0, Wrap<T>(to_send, c), next, &in_flight, prev);
     // The last step's chunk is this rank's own: its sum goes straight to `out`.
     T* sum = s + 2 == n ? out->data<T>() : partial.data<T>();
     Add<T>(received.data<T>(), in + recv_k * c, sum, c);
@@ -231,25 +249,16 @@ void AllToAll(const CPUContext& dev_ctx, const DenseTensor& x, DenseTensor* out)
   const T* in = x.data<T>();
   T* result = out->data<T>();
   Copy<T>(result + r * c, in + r * c, c);
-  DenseTensor to_send = Buffer<T>(dev_ctx, x, rows), received = Buffer<T>(dev_ctx, x, rows);
   const int seats = n % 2 == 0 ? n : n + 1;
   for (int k = 0; k + 1 < seats; ++k) {
     const int peer = Partner(r, k, seats);
     if (peer >= n) continue;  // the empty seat: no exchange this round
-    Copy<T>(to_send.data<T>(), in + peer * c, c);
-    SendRecv(comm, r < peer, to_send, peer, &received, peer);
-    Copy<T>(result + peer * c, received.data<T>(), c);
+    DenseTensor arriving = Wrap<T>(result + peer * c, c);
+    SendRecv(comm, r < peer, Wrap<T>(in + peer * c, c), peer, &arriving, peer);
   }
 }
 
 // -- all_to_all with a size per part (expert parallel's all_to_all_single) ---------------------
-
-// `bytes` bytes at `data` as a uint8 tensor that does not own them.
-DenseTensor Wrap(const char* data, int64_t bytes) {
-  auto holder = std::make_shared<phi::Allocation>(const_cast<char*>(data), static_cast<size_t>(bytes),
-                                                  phi::CPUPlace());
-  return DenseTensor(holder, phi::DenseTensorMeta(phi::DataType::UINT8, common::make_ddim({bytes})));
-}
 
 // Part p of `send` goes to rank p, part p of `recv` comes from rank p; parts lie one after
 // another, their sizes in bytes given by each side (the sizes two ranks give a pair must agree,
