@@ -11,6 +11,10 @@ fix                      what it mends (details in the module's docstring)
 :mod:`.trainer_resume`   ``resume_from_checkpoint=True`` / ``"True"`` fails; a checkpoint
                          cut by a death is loaded; a restarted job starts at step 1.  Now:
                          the newest complete checkpoint, by itself after a restart
+:mod:`.cpu_precision`    ``--bf16`` on CPU trains float32 silently, ``--fp16`` stops at
+                         step 1: now both stop at the start naming the flag
+:mod:`.recompute_flags`  ``--recompute_granularity/method/num_layers`` never reach
+                         the model's config: no layer is recomputed (every device)
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
@@ -58,11 +62,13 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
                       f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
                       f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
         return
-    from . import grad_norm_hook, flex_checkpoint_load, trainer_resume
+    from . import cpu_precision, flex_checkpoint_load, grad_norm_hook, recompute_flags, trainer_resume
 
     grad_norm_hook.fix(patcher, trainer_module)
     flex_checkpoint_load.fix(patcher, trainer_module)
     trainer_resume.fix(patcher, trainer_module)
+    cpu_precision.fix(patcher, trainer_module)
+    recompute_flags.fix(patcher, trainer_module)
 
 
 def apply(config, patcher: Patcher) -> str:
