@@ -16,6 +16,11 @@ seed), then train from it in any layout:
         --model_name_or_path runs/tiny-llama --output_dir runs/tp2 $CPU --max_steps 6 \\
         --gradient_accumulation_steps 2 --tensor_model_parallel_size 2
 
+Other model families of PaddleFormers: ``write-tiny-model PATH --family ernie4_5`` (``llama``,
+``ernie4_5``, ``phi3``, ``gpt_oss``, ``gemma3_text``, ``deepseek_v3``, ``qwen3``): the same tiny
+sizes; the model is loaded through PaddleFormers' ``AutoModelForCausalLM`` (``...Pipe`` with a
+pipeline), as a user's script would.
+
 Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length`` and
 ``--num_samples`` (:class:`ModelDataArguments`).  Saving (``--save_steps``) writes the Trainer's
 default flex checkpoint; ``--resume_from_checkpoint runs/tp2/checkpoint-3`` resumes it, in this
@@ -46,6 +51,21 @@ class ModelDataArguments:
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=64)
 
+# family: (module of paddleformers.transformers, config class, causal LM class, its own tiny settings)
+FAMILIES = {
+    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}),
+    "ernie4_5": ("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 8}),
+    "phi3": ("phi3", "Phi3Config", "Phi3ForCausalLM", {}),
+    "gpt_oss": ("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+                {"head_dim": 8, "num_local_experts": 2, "num_experts_per_tok": 1, "sliding_window": None,
+                 "layer_types": ["full_attention", "full_attention"], "_attn_implementation": "eager"}),
+    "gemma3_text": ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8}),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"first_k_dense_replace": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                     "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 2, "num_experts_per_tok": 1}),
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+}
+
 
 def cpu_model_settings() -> dict:
     """LlamaConfig settings for CPU: PaddleFormers' fused kernels have no CPU kernel."""
@@ -53,17 +73,23 @@ def cpu_model_settings() -> dict:
                 fuse_swiglu=False, use_fused_head_and_loss_fn=False, _attn_implementation="sdpa")
 
 
-def write_tiny_model(path: str, seed: int = 42) -> None:
-    """A random-init one-process LLaMA saved with ``save_pretrained``: the "pretrained" model
-    every layout starts from, so every layout starts from the same weights."""
-    import paddle
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+def write_tiny_model(path: str, seed: int = 42, family: str = "llama") -> None:
+    """A random-init one-process model of ``family`` saved with ``save_pretrained``: the
+    "pretrained" model every layout starts from, so every layout starts from the same weights."""
+    import importlib
 
+    import paddle
+
+    if family not in FAMILIES:
+        raise SystemExit(f"--family {family!r}: one of {', '.join(FAMILIES)}")
+    module, config_name, model_name, own = FAMILIES[family]
+    classes = importlib.import_module(f"paddleformers.transformers.{module}")
     paddle.set_device("cpu")
     paddle.seed(seed)
-    config = LlamaConfig(**TINY, dtype="float32", pad_token_id=None, **cpu_model_settings())
-    LlamaForCausalLM(config).save_pretrained(path)
-    print(f"wrote a tiny random-init LLaMA (seed {seed}) to {path}")
+    settings = {**TINY, "dtype": "float32", "pad_token_id": None, **cpu_model_settings(), **own}
+    config = getattr(classes, config_name)(**settings)
+    getattr(classes, model_name)(config).save_pretrained(path)
+    print(f"wrote a tiny random-init {family} (seed {seed}) to {path}")
 
 
 # --------------------------------------------------------------------------- data
@@ -117,25 +143,26 @@ def record_progress(output_dir: str):
 
 
 def load_model(model_args: ModelDataArguments, training_args):
-    """PaddleFormers' LLaMA for this layout from the pretrained path: the pipeline model with
+    """The pretrained model (PaddleFormers' Auto classes) for this layout: the pipeline model with
     pipeline parallel, the causal LM otherwise; tensor parallel from the Trainer's arguments."""
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM, LlamaForCausalLMPipe
+    from paddleformers.transformers import AutoConfig, AutoModelForCausalLM, AutoModelForCausalLMPipe
 
-    config = LlamaConfig.from_pretrained(model_args.model_name_or_path)
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path)
     config.update(cpu_model_settings())
     config.tensor_model_parallel_size = training_args.tensor_model_parallel_size
     config.tensor_parallel_rank = training_args.tensor_parallel_rank
     config.pipeline_model_parallel_size = training_args.pipeline_model_parallel_size
     config.sequence_parallel = training_args.sequence_parallel
     config.max_sequence_length = model_args.seq_length  # sequence parallel splits sequences of this length
-    cls = LlamaForCausalLMPipe if training_args.pipeline_model_parallel_size > 1 else LlamaForCausalLM
+    cls = AutoModelForCausalLMPipe if training_args.pipeline_model_parallel_size > 1 else AutoModelForCausalLM
     return cls.from_pretrained(model_args.model_name_or_path, config=config, dtype="float32")
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["write-tiny-model"]:
-        write_tiny_model(argv[1])
+        family = argv[argv.index("--family") + 1] if "--family" in argv else "llama"
+        write_tiny_model(argv[1], family=family)
         return
     import paddle
     import paddle_hybrid  # noqa: F401  (gloo collectives and the CPU fixes; the launcher imports it too)

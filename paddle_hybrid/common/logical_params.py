@@ -11,7 +11,10 @@ process).
   from ``named_parameters()``.
 * **Whole values.** A parameter fleet marks ``is_distributed`` is this rank's slice along
   ``split_axis`` (column-parallel weights 1, row-parallel and vocab-parallel 0); its whole value is
-  the concatenation of the tensor-parallel group's slices.  Everything else is whole on each rank.
+  the concatenation of the tensor-parallel group's slices.  A fused projection (PaddleFormers'
+  ``qkv_proj``, ``gate_up_proj`` / ``up_gate_proj``) may instead hold on each rank its share of
+  every part (``[q_r, k_r, v_r]``): for those a second candidate is made, each part's shares
+  joined, then the parts (:func:`whole`).  Everything else is whole on each rank.
 * **Digests.** BLAKE2b of the bytes, the dtype and the shape: replicas updated by the same
   arithmetic are bitwise equal, so any difference is a real one.
 """
@@ -84,21 +87,48 @@ def _array(tensor):
     return value.numpy()
 
 
-def whole(param, mp_group):
-    """The whole value of ``param`` (a NumPy array): gathered over the tensor-parallel group
+def fused_parts(name: str, config) -> list | None:
+    """The sizes, relative to each other, of the parts fused into parameter ``name`` (a
+    PaddleFormers naming convention), or None for a plain parameter."""
+    leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+    if leaf in ("gate_up_proj", "up_gate_proj"):
+        return [1, 1]
+    if leaf == "qkv_proj" and config is not None:
+        heads = int(getattr(config, "num_attention_heads", 0) or 0)
+        kv = int(getattr(config, "num_key_value_heads", 0) or heads)
+        return [heads, kv, kv] if heads else None
+    return None
+
+
+def whole(param, mp_group, name: str = "", config=None) -> dict:
+    """The whole value of ``param``: ``{"": array}``, gathered over the tensor-parallel group
     ``mp_group`` when it is a slice (a collective: every rank of the group must call it for the
-    same parameter), else this rank's own."""
+    same parameter), else this rank's own.  A parameter whose ``name`` says it may be a fused
+    projection (:func:`fused_parts`, with the model's ``config``) gets a second candidate,
+    ``{"by_part": array}``: each part's shares joined, then the parts.  Which of the two is the
+    model's layout is the model's forward's business (ERNIE-4.5 interleaves q, k, v per key-value
+    head group, so joining the slices is right; Phi3 puts all of q, then k, then v, so the parts
+    must be joined); a comparison takes the candidate the other side agrees with."""
     import numpy as np
     import paddle.distributed as dist
 
     if not is_split(param) or mp_group is None or mp_group.nranks == 1:
-        return _array(param)
+        return {"": _array(param)}
     axis = getattr(param, "split_axis", None)
     if axis is None:
         raise NoSplitAxisError(f"parameter {param.name} is marked is_distributed but has no split_axis")
-    parts = []
-    dist.all_gather(parts, param.detach(), group=mp_group)
-    return np.concatenate([_array(p) for p in parts], axis=int(axis))
+    axis = int(axis)
+    gathered = []
+    dist.all_gather(gathered, param.detach(), group=mp_group)
+    slices = [_array(p) for p in gathered]
+    out = {"": np.concatenate(slices, axis=axis)}
+    ratio = fused_parts(name, config)
+    if ratio is not None and slices[0].shape[axis] % sum(ratio) == 0:
+        unit = slices[0].shape[axis] // sum(ratio)
+        bounds = np.cumsum([unit * r for r in ratio])[:-1]
+        per_part = zip(*[np.split(s, bounds, axis=axis) for s in slices])  # part k of every rank
+        out["by_part"] = np.concatenate([np.concatenate(list(shares), axis=axis) for shares in per_part], axis=axis)
+    return out
 
 
 def digest(array) -> str:

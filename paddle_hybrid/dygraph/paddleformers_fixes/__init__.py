@@ -15,6 +15,10 @@ fix                      what it mends (details in the module's docstring)
                          step 1: now both stop at the start naming the flag
 :mod:`.recompute_flags`  ``--recompute_granularity/method/num_layers`` never reach
                          the model's config: no layer is recomputed (every device)
+:mod:`.pipe_models`      the generic pipeline model: ERNIE-4.5's default segmentation
+                         names a class it never builds (fixed); sliding-window
+                         attention dropped, eager attention without a causal mask
+                         (refused)
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
@@ -45,6 +49,7 @@ __all__ = ["COMPONENT", "apply", "VERIFIED_PADDLEFORMERS", "TRAINER_MODULE"]
 
 VERIFIED_PADDLEFORMERS = ("1.2.",)
 TRAINER_MODULE = "paddleformers.trainer.trainer"
+PIPE_MODULE = "paddleformers.nn.pp_model"
 
 
 def _paddleformers_version() -> str:
@@ -71,11 +76,21 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
     recompute_flags.fix(patcher, trainer_module)
 
 
+def _fix_pipe_models(patcher: Patcher, pp_model) -> None:
+    """The generic pipeline model's fixes (:mod:`.pipe_models`), on a verified PaddleFormers."""
+    if version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        from . import pipe_models
+
+        pipe_models.apply_to(patcher, pp_model)
+
+
 def apply(config, patcher: Patcher) -> str:
     from ...common.import_hook import when_imported
 
     cancel = when_imported(TRAINER_MODULE, lambda module: _fix_trainer(patcher, module))
     patcher.on_revert(cancel, f"the wait for {TRAINER_MODULE}")
+    cancel = when_imported(PIPE_MODULE, lambda module: _fix_pipe_models(patcher, module))
+    patcher.on_revert(cancel, f"the wait for {PIPE_MODULE}")
     return f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
 
 

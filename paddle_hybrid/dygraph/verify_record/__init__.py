@@ -41,7 +41,9 @@ from ...common import logical_params
 from ...common.replicas import describe_rank
 from ...registry.component import Component
 
-__all__ = ["COMPONENT", "apply", "Recorder"]
+__all__ = ["COMPONENT", "apply", "Recorder", "VARIANT"]
+
+VARIANT = "::"  # "name::by_part": another candidate whole value of a fused projection (logical_params.whole)
 
 
 class Recorder:
@@ -104,10 +106,12 @@ class Recorder:
         if self.model is None:
             return
         mp = logical_params.groups().get("mp", (None, None))[0]
+        config = getattr(logical_params.unwrap(self.model), "config", None)
         values, shapes = {}, {}
         for name, param in logical_params.named_parameters(self.model):
             try:
-                values[name] = logical_params.whole(param, mp)
+                for variant, value in logical_params.whole(param, mp, name, config).items():
+                    values[name + (VARIANT + variant if variant else "")] = value
             except logical_params.NoSplitAxisError:
                 values[name] = logical_params._array(param)
             shapes[name] = {"local": list(param.shape), "split": logical_params.is_split(param)}
