@@ -51,6 +51,9 @@ class ModelDataArguments:
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=64)
 
+# Families whose sdpa attention is flash-attention only (a GPU): eager attention on CPU.
+EAGER_ONLY = ("gpt_oss",)
+
 # family: (module of paddleformers.transformers, config class, causal LM class, its own tiny settings)
 FAMILIES = {
     "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}),
@@ -148,7 +151,10 @@ def load_model(model_args: ModelDataArguments, training_args):
     from paddleformers.transformers import AutoConfig, AutoModelForCausalLM, AutoModelForCausalLMPipe
 
     config = AutoConfig.from_pretrained(model_args.model_name_or_path)
-    config.update(cpu_model_settings())
+    settings = cpu_model_settings()
+    if getattr(config, "model_type", "") in EAGER_ONLY:
+        settings.pop("_attn_implementation")
+    config.update(settings)
     config.tensor_model_parallel_size = training_args.tensor_model_parallel_size
     config.tensor_parallel_rank = training_args.tensor_parallel_rank
     config.pipeline_model_parallel_size = training_args.pipeline_model_parallel_size

@@ -14,7 +14,7 @@ import importlib.util
 import sys
 import threading
 
-__all__ = ["when_imported"]
+__all__ = ["when_imported", "when_import_fails"]
 
 
 class _AfterExecLoader(importlib.abc.Loader):
@@ -31,9 +31,30 @@ class _AfterExecLoader(importlib.abc.Loader):
         self._callback(module)
 
 
+class _FailingExecLoader(importlib.abc.Loader):
+    """The module's own loader; an exception from it goes through ``translate(exc)``, which
+    returns the exception to raise instead (chained to the original) or None."""
+
+    def __init__(self, loader, translate):
+        self._loader, self._translate = loader, translate
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        try:
+            self._loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001  (re-raised, or replaced by a clearer one)
+            clearer = self._translate(exc)
+            if clearer is None:
+                raise
+            raise clearer from exc
+
+
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    def __init__(self, name: str, callback):
+    def __init__(self, name: str, callback, loader_cls=None):
         self.name, self.callback = name, callback
+        self.loader_cls = loader_cls or _AfterExecLoader
         self._finding = threading.local()
 
     def find_spec(self, fullname, path, target=None):
@@ -46,7 +67,10 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             self._finding.active = False
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _AfterExecLoader(spec.loader, self._run_once)
+        if self.loader_cls is _AfterExecLoader:
+            spec.loader = _AfterExecLoader(spec.loader, self._run_once)
+        else:
+            spec.loader = self.loader_cls(spec.loader, self.callback)
         return spec
 
     def _run_once(self, module):
@@ -68,5 +92,14 @@ def when_imported(name: str, callback):
         callback(sys.modules[name])
         return lambda: None
     finder = _PostImportFinder(name, callback)
+    sys.meta_path.insert(0, finder)
+    return lambda: remove(finder)
+
+
+def when_import_fails(name: str, translate):
+    """While installed, an exception from importing module ``name`` is passed to
+    ``translate(exc)``; what it returns is raised instead, chained to the original (None: the
+    original).  Returns a function that removes the hook."""
+    finder = _PostImportFinder(name, translate, _FailingExecLoader)
     sys.meta_path.insert(0, finder)
     return lambda: remove(finder)

@@ -15,6 +15,9 @@ fix                      what it mends (details in the module's docstring)
                          step 1: now both stop at the start naming the flag
 :mod:`.recompute_flags`  ``--recompute_granularity/method/num_layers`` never reach
                          the model's config: no layer is recomputed (every device)
+:mod:`.families`         GPT-OSS and Gemma3 under tensor parallelism train wrong
+                         (refused); Qwen's and the MoE models' GPU-only imports
+                         (paddlefleet, paddlefleet_ops) named with what to do on CPU
 :mod:`.pipe_models`      the generic pipeline model: ERNIE-4.5's default segmentation
                          names a class it never builds (fixed); sliding-window
                          attention dropped, eager attention without a causal mask
@@ -84,6 +87,20 @@ def _fix_pipe_models(patcher: Patcher, pp_model) -> None:
         pipe_models.apply_to(patcher, pp_model)
 
 
+def _hook_families(patcher: Patcher) -> None:
+    """The refusals of :mod:`.families`, each when its module is imported (a verified PaddleFormers)."""
+    if not version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        return
+    from ...common.import_hook import when_import_fails, when_imported
+    from . import families
+
+    for name in families.REFUSE_TENSOR_PARALLEL:
+        cancel = when_imported(name, lambda module: families.refuse_in(patcher, module))
+        patcher.on_revert(cancel, f"the wait for {name}")
+    for name in families.IMPORT_FAILURES:
+        patcher.on_revert(when_import_fails(name, families.translate_import_failure(name)), f"the import hook of {name}")
+
+
 def apply(config, patcher: Patcher) -> str:
     from ...common.import_hook import when_imported
 
@@ -91,6 +108,7 @@ def apply(config, patcher: Patcher) -> str:
     patcher.on_revert(cancel, f"the wait for {TRAINER_MODULE}")
     cancel = when_imported(PIPE_MODULE, lambda module: _fix_pipe_models(patcher, module))
     patcher.on_revert(cancel, f"the wait for {PIPE_MODULE}")
+    _hook_families(patcher)
     return f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
 
 
