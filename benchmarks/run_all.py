@@ -148,6 +148,16 @@ def rows_gloo_kernels(d):
     return out
 
 
+def rows_verify(d):
+    """The verifier's wall time (target 120 s) and the replica check's cost (a check every step)."""
+    out = [_row("verify", "tiny LLaMA Trainer: one + tp2, pp2, dp2, sharding2", "target", 120.0, "verify",
+                d["verify"]["seconds"], "s", d["verify"]["seconds"] / 120.0, "< 120 s", d["verify"]["seconds"] < 120)]
+    for name, row in d["replica_check"].items():
+        out.append(_row("replica check", f"gpt_pp.py {name}, a check every step", "off", 1e3 * row["off"], "on",
+                        1e3 * row["on"], "ms/step", row["ratio"], "reported", True))
+    return out
+
+
 BENCHES = {
     "cpu_blas": ("bench_cpu_blas.py", [], ["--rounds", "2"], "cpu_blas.json", rows_cpu_blas),
     "reshard": ("bench_reshard.py", [], ["--layers", "24"], "reshard.json", rows_reshard),
@@ -161,8 +171,9 @@ BENCHES = {
     "timeline": ("bench_timeline.py", [], ["--rounds", "1", "--steps", "10"], "timeline.json", rows_timeline),
     "vs_pytorch": ("bench_vs_pytorch.py", [], ["--rounds", "1", "--steps", "5"], "vs_pytorch.json", rows_vs_pytorch),
     "gloo_kernels": ("bench_gloo_kernels.py", [], ["--max-mb", "16"], "gloo_kernels.json", rows_gloo_kernels),
+    "verify": ("bench_verify.py", [], ["--steps", "6"], "verify.json", rows_verify),
 }
-NEEDS = {"vs_pytorch": "torch"}  # benchmarks that run only when this module is importable
+NEEDS = {"vs_pytorch": "torch", "verify": "paddleformers"}  # benchmarks that run only when this module is importable
 
 # The example, each feature on and off: (name, nprocs, extra args, env)
 EXAMPLE_SHAPE = ["--layers", "4", "--hidden", "64", "--seq-len", "64", "--micro-batch-size", "4",

@@ -16,6 +16,12 @@ each named here:
    is off (an accelerator build without opt-in), the meta optimizer is no longer registered at
    all (it was registered and declined to apply).
 
+3. what was added after the step, each tested where it was added: the fleet fixes
+   ``uneven_reshard`` (``dist.reshard``, issue 32) and ``one_process_model``
+   (``fleet.distributed_model`` in one process, issue 33) (:data:`ADDED_PATCHES`), and the
+   components ``replica_check`` and ``verify_record`` (issue 33), off unless their setting is given
+   (:data:`ADDED_COMPONENTS`).
+
 Everything else (every replaced attribute, its original and replacement, every other line of
 report()) is equal.  The history of the restructure before this one is in git (its baseline
 ``data/before_paddle*.json``).
@@ -45,6 +51,14 @@ RENAMED_WORDS = {  # change 1
 _WORD = re.compile(r"(?<![\w.])(" + "|".join(re.escape(w) for w in sorted(RENAMED_WORDS, key=len, reverse=True))
                    + r")(?![\w])")
 REGISTERED_BY = {"FusedAllreduceOptimizer": "fused_allreduce", "PipelineSendWaitOptimizer": "send_wait"}  # change 2
+
+
+ADDED_PATCHES = {  # change 3: component -> (owner, attribute) it replaces since
+    "fleet_fixes": [("paddle.distributed", "reshard"), ("paddle.distributed.auto_parallel.api", "reshard"),
+                    ("paddle.distributed.fleet", "distributed_model"),
+                    ("paddle.distributed.fleet.model", "distributed_model")],
+}
+ADDED_COMPONENTS = {"replica_check": "off: off (check_replicas=0)", "verify_record": "off: off (verify_dir not set)"}
 
 
 def renamed(text: str) -> str:
@@ -93,6 +107,12 @@ def _expected(before_case):
         if component == "registration":
             component = REGISTERED_BY[entry[1]]
         patches.add((renamed(component), *entry))
+    for component, added in ADDED_PATCHES.items():  # change 3
+        if any(p[0] == component for p in patches):
+            patches |= {(component, owner, attr, attr, attr) for owner, attr in added}
+            count = int(re.match(r"active: (\d+)", comps[component]).group(1))
+            comps[component] = comps[component].replace(f"active: {count} ", f"active: {count + len(added)} ", 1)
+    comps.update(ADDED_COMPONENTS)
     for name in REGISTERED_BY.values():  # change 2: on where its gate is on, else the gate's words
         gate = rule[name]
         if gate.startswith("on"):  # the gate's note follows, as for every gated component
