@@ -330,8 +330,7 @@ def _pipeline_classes(base) -> list:
 def apply(config, patcher) -> str:
     import paddle
     from paddle.distributed import fleet
-    from paddle.distributed.fleet.meta_parallel import PipelineParallel
-    from paddle.distributed.fleet.meta_parallel.pipeline_parallel import NoPipelineParallel
+    from paddle.distributed.fleet.meta_parallel import PipelineParallel, pipeline_parallel
 
     with open(os.path.join(config.verify_dir, "plan.json")) as f:
         plan = json.load(f)
@@ -345,7 +344,9 @@ def apply(config, patcher) -> str:
                                                           config))
     # every pipeline schedule (the interleaved one has a train_batch of its own; one process a
     # PipelineLayer runs in NoPipelineParallel's)
-    for cls in _pipeline_classes(PipelineParallel) + _pipeline_classes(NoPipelineParallel):
+    # (NoPipelineParallel: Paddle 3.3; 3.2 gives one process the PipelineLayer itself)
+    one_process = getattr(pipeline_parallel, "NoPipelineParallel", None)
+    for cls in _pipeline_classes(PipelineParallel) + (_pipeline_classes(one_process) if one_process else []):
         patcher.set(cls, "train_batch", _make_train_batch(cls.__dict__["train_batch"], config))
     _hook_trainer(config, patcher)
     return f"recording layout {plan.get('layout')} into {config.verify_dir}"
