@@ -1,7 +1,7 @@
 """The plugin's CPU kernels over gloo (``paddle_hybrid.gloo.kernels``), reached by Paddle's own
 C++ semi-auto reshard functions: Partial -> Shard (reduce_scatter), Shard(i) -> Shard(j)
 (all_to_all), a reshard across meshes (p_send / p_recv, and GetDefaultPlace() on the ranks outside
-both meshes), on 2, 3 and 4 gloo ranks and a 2-D mesh, each equal to the NumPy value of the global
+both meshes), on 2 and 3 gloo ranks (4 ranks and 2-D meshes: ``test_reshard_table.py``), each equal to the NumPy value of the global
 tensor (exact: small integers in every dtype).  After ``paddle_hybrid.uninstall()`` Paddle's CPU
 kernel throws again (the slots are given back); that stock Paddle stops on these paths is shown by
 ``tests/dygraph/cpu/test_semi_auto_parallelize.py``."""
@@ -17,7 +17,7 @@ WORKER = os.path.join(HERE, "worker_gloo_kernels.py")
 STOCK_ERROR = "Unimplemented cpu kernel for CReduceScatterOp"
 
 
-@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("nranks", [2, 3])  # 4 ranks and the 2-D mesh: test_reshard_table.py
 def test_reshards_through_the_gloo_kernels_equal_numpy(nranks):
     results = launch(WORKER, nprocs=nranks, timeout=300)
     for rank, result in enumerate(results):
@@ -35,6 +35,4 @@ def test_reshards_through_the_gloo_kernels_equal_numpy(nranks):
         if rank == nranks - 1:
             assert result["calls"]["PRecvKernel"] >= 1
         assert STOCK_ERROR in result["after_uninstall"], result["after_uninstall"]
-    if nranks == 4:
-        assert "dp x mp: [R, P] -> [R, S(0)]" in results[0]["cases"]
 

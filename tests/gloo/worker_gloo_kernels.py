@@ -51,19 +51,6 @@ def across_meshes(nranks: int, rank: int) -> dict:
     return {"got": got, "expected": value.tolist() if rank == nranks - 1 else None}
 
 
-def two_dim_mesh(rank: int) -> dict:
-    """4 ranks as dp x mp [[0, 1], [2, 3]]: Partial over mp -> Shard(0) over mp."""
-    mesh = dist.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
-    mp = rank % 2
-    local = local_part(rank, 4, "float32")
-    peers = [rank - mp, rank - mp + 1]
-    total = np.sum([local_part(r, 4, "float32") for r in peers], axis=0)
-    tensor = dist.auto_parallel.api.dtensor_from_local(paddle.to_tensor(local), mesh,
-                                                       [dist.Replicate(), dist.Partial()])
-    out = dist.reshard(tensor, mesh, [dist.Replicate(), dist.Shard(0)])._local_value().numpy()
-    return {"got": out.tolist(), "expected": total[mp * 2:(mp + 1) * 2].tolist()}
-
-
 def reshard_error(mesh, nranks: int, rank: int) -> str:
     try:
         partial_to_shard(mesh, nranks, rank, "float32", 2)
@@ -85,8 +72,6 @@ def main() -> None:
     result["cases"]["S(0)->S(1)"] = shard_to_shard(mesh, nranks, rank, 0, 1)
     result["cases"]["S(1)->S(0)"] = shard_to_shard(mesh, nranks, rank, 1, 0)
     result["cases"]["mesh [0] -> mesh [n-1]"] = across_meshes(nranks, rank)
-    if nranks == 4:
-        result["cases"]["dp x mp: [R, P] -> [R, S(0)]"] = two_dim_mesh(rank)
     result["calls"] = {k: kernels.calls(k) for k in kernels.KERNELS}
     paddle_hybrid.uninstall()
     result["after_uninstall"] = reshard_error(mesh, nranks, rank)

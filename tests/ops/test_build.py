@@ -40,9 +40,13 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path, repo_root):
     assert "paddle_hybrid::CudaCopyBytes" in syms and "paddle_hybrid::CudaFillPattern" in syms
 
 
+@pytest.mark.skipif(os.environ.get("PADDLE_HYBRID_TEST_PACKAGING") == "0",
+                    reason="PADDLE_HYBRID_TEST_PACKAGING=0: CI builds the wheel in its other lane (.ci/run)")
 def test_non_editable_install_builds_and_loads(tmp_path, repo_root):
     """`pip install .` path: build a wheel, install it into a fresh target dir,
-    import it from there (not from the source tree) and run both ops."""
+    import it from there (not from the source tree) and run both ops.  (CI runs it in one of its
+    two lanes, the one with time to spare: the packaging does not depend on Paddle's version, and
+    each lane builds the ops against its own Paddle at set-up.)"""
     wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
                             repo_root, "-w", str(wheel_dir)], capture_output=True, text=True, timeout=600)

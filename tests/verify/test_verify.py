@@ -49,7 +49,9 @@ def test_a_silent_defect_is_named(tmp_path, defect, finding):
 
 
 def test_gpt_pp_layouts_with_a_tied_embedding_are_equal(tmp_path):
-    code, text, verdict = verify(tmp_path, "pp2,tp2,dp2", GPT, "--steps", "3", "--layers", "2", "--hidden", "32",
+    """examples/gpt_pp.py (its degree flags declared): PP2 (the embedding tied across the stages)
+    and TP2 + sequence parallel, losses and parameters against one process."""
+    code, text, verdict = verify(tmp_path, "pp2,sp2", GPT, "--steps", "3", "--layers", "2", "--hidden", "32",
                                  "--heads", "4", "--seq-len", "16", "--micro-batch-size", "4", "--accumulate-steps",
                                  "2", "--corpus-chars", "20000")
     assert code == 0, text
