@@ -23,6 +23,9 @@ def describe_rank(model) -> dict:
         "groups": kinds,
         "digests": {name: logical_params.digest(logical_params._array(p)) for name, p in params},
         "split": sorted(name for name, p in params if logical_params.is_split(p)),
+        # an expert's parameters differ between the ranks of its data-parallel group by design
+        # (expert parallel: fleet's MoE marks them no_sync / expert)
+        "own": sorted(name for name, p in params if getattr(p, "no_sync", False) or getattr(p, "expert", False)),
         "tied": {key: {"ranks": ranks, "digest": logical_params.digest(logical_params._array(p))}
                  for key, p, ranks in logical_params.shared_weights(model)},
     }
@@ -38,6 +41,8 @@ def compare(published: dict) -> list:
             for name, value in entry["digests"].items():
                 if kind == "mp" and name in entry["split"]:
                     continue  # each tensor-parallel rank holds its own slice
+                if kind in ("dp", "sharding") and name in entry.get("own", ()):
+                    continue  # an expert of this rank's own
                 values = {r: published[r]["digests"].get(name) for r in members}
                 if len(set(values.values())) > 1:
                     found.add((kind, tuple(members), name, tuple(sorted(values.items()))))
