@@ -5,9 +5,10 @@ Each was tried in one process and in TP2 / PP2 through ``python -m paddle_hybrid
 and a fix would change the model a GPU user trains, so the plugin refuses instead:
 
 * **GPT-OSS under tensor parallelism**: each rank builds the attention ``sinks`` for its own heads
-  (``num_heads / tp``) without marking them distributed, and loads the first heads' values on every
-  rank; the experts' weights and biases also train from per-rank gradients.  The run finishes with
-  a plausible loss 1.1e-2 off one process after step 1, no error.
+  (``num_heads / tp``) without marking them distributed; the experts' weights and biases differ
+  between the tensor-parallel ranks after step 1 (per-rank gradients), and the q/k/v biases end
+  far from one process's.  The run finishes with a plausible loss 1.1e-2 off one process after
+  step 1, no error.
 * **Gemma3 under tensor parallelism**: with the default ``tensor_parallel_output`` the vocabulary-
   parallel loss stops on the plain, unsplit embedding tied to it ("the vocab_size should be
   splited"); with ``tensor_parallel_output=False`` it trains, and every norm weight differs between
@@ -36,9 +37,8 @@ class FamilyRefused(ValueError):
 REFUSE_TENSOR_PARALLEL = {
     "paddleformers.transformers.gpt_oss.modeling": (
         "GptOssDecoderLayer", "GPT-OSS",
-        "its attention sinks are sized per rank (heads / tp) but not marked distributed, every rank loads the first "
-        "heads' values, and the experts train from per-rank gradients: the run ends with a plausible loss, 1e-2 off "
-        "one process after one step"),
+        "its attention sinks are sized per rank (heads / tp) but not marked distributed, and the experts train "
+        "from per-rank gradients: the run ends with a plausible loss, 1e-2 off one process after one step"),
     "paddleformers.transformers.gemma3_text.modeling": (
         "Gemma3DecoderLayer", "Gemma3",
         "its plain embedding is tied to a vocabulary-parallel head (the parallel loss stops on it), and with "
