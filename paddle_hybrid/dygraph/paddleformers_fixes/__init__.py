@@ -70,13 +70,12 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
                       f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
                       f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
         return
-    from . import cpu_precision, flex_checkpoint_load, grad_norm_hook, recompute_flags, trainer_resume
+    from . import flex_checkpoint_load, grad_norm_hook, trainer_resume, trainer_start
 
     grad_norm_hook.fix(patcher, trainer_module)
     flex_checkpoint_load.fix(patcher, trainer_module)
     trainer_resume.fix(patcher, trainer_module)
-    cpu_precision.fix(patcher, trainer_module)
-    recompute_flags.fix(patcher, trainer_module)
+    trainer_start.fix(patcher, trainer_module)  # cpu_precision and recompute_flags
 
 
 def _fix_pipe_models(patcher: Patcher, pp_model) -> None:

@@ -14,9 +14,7 @@ changes on an accelerator.
 """
 from __future__ import annotations
 
-import functools
-
-__all__ = ["fix", "CpuPrecisionError", "check"]
+__all__ = ["CpuPrecisionError", "check"]
 
 
 class CpuPrecisionError(ValueError):
@@ -42,20 +40,3 @@ def check(args) -> None:
             f"build has no half-precision autocast for it; only a log line says so) and stops at the first step "
             f"with --fp16 (Paddle's GradScaler turns itself off on CPU). Run with --fp16 false --bf16 false "
             f"(float32) on CPU; keep {flags} for the accelerator run. (paddle_hybrid.paddleformers_fixes)")
-
-
-def _make_init(original):
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:
-            check(training_args)
-        original(self, *args, **kwargs)
-
-    return __init__
-
-
-def fix(patcher, trainer_module) -> None:
-    trainer_cls = patcher.require(trainer_module, "Trainer", "paddleformers.trainer.trainer")
-    original = patcher.require(trainer_cls, "__init__", "paddleformers Trainer")
-    patcher.set(trainer_cls, "__init__", _make_init(original))

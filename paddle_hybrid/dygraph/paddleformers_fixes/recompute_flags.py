@@ -15,9 +15,7 @@ is an error naming both.
 """
 from __future__ import annotations
 
-import functools
-
-__all__ = ["fix", "FLAGS", "carry"]
+__all__ = ["FLAGS", "carry"]
 
 FLAGS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 
@@ -40,21 +38,3 @@ def carry(args, model) -> list:
             raise ValueError(f"--{name} {given!r} but the model's config says {name}={current!r}; give one of them "
                              f"(paddle_hybrid.paddleformers_fixes.recompute_flags)")
     return written
-
-
-def _make_init(original):
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        model = kwargs.get("model", args[0] if args else None)
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if model is not None and training_args is not None:
-            carry(training_args, model)
-        original(self, *args, **kwargs)
-
-    return __init__
-
-
-def fix(patcher, trainer_module) -> None:
-    trainer_cls = patcher.require(trainer_module, "Trainer", "paddleformers.trainer.trainer")
-    original = patcher.require(trainer_cls, "__init__", "paddleformers Trainer")
-    patcher.set(trainer_cls, "__init__", _make_init(original))
