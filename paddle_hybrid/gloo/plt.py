@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import mmap
 import os
 import platform
@@ -65,26 +66,61 @@ def _cstring(data, offset: int) -> str:
     return data[offset:end].decode("ascii", "replace")
 
 
+_RELA = [("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")]
+_SYM = [("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")]
+
+
 def jump_slots(path: str, contains=()) -> list:
     """Every ``R_X86_64_JUMP_SLOT`` of the library at ``path`` whose mangled name contains one of
-    ``contains`` (all of them when empty), as :class:`PltSlot`."""
+    ``contains`` (all of them when empty), as :class:`PltSlot`.
+
+    ``libphi_core.so`` has about 87,000 slots: read one by one in Python they cost 0.5 s at every
+    ``import paddle_hybrid`` of every rank.  The tables are read as arrays instead, and a name is
+    decoded only where one of ``contains`` occurs in it (found by searching the string table)."""
+    import numpy as np
+
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         sections = _sections(data)
         slots = []
         for _name, kind, offset, size, link, entsize in sections:
             if kind != _SHT_RELA or link >= len(sections) or sections[link][1] != _SHT_DYNSYM:
                 continue
-            _, _, sym_offset, _, str_index, sym_entsize = sections[link]
-            str_offset = sections[str_index][2]
-            for pos in range(offset, offset + size, entsize or 24):
-                r_offset, r_info, _addend = struct.unpack_from("<QQq", data, pos)
-                if r_info & 0xFFFFFFFF != _R_X86_64_JUMP_SLOT:
-                    continue
-                name_offset, = struct.unpack_from("<I", data, sym_offset + (r_info >> 32) * (sym_entsize or 24))
-                symbol = _cstring(data, str_offset + name_offset)
-                if not contains or any(c in symbol for c in contains):
-                    slots.append(PltSlot(symbol, r_offset))
+            if (entsize or 24) != 24:
+                raise ValueError(f"{path}: a RELA entry of {entsize} bytes, not 24")
+            _, _, sym_offset, sym_size, str_index, sym_entsize = sections[link]
+            if (sym_entsize or 24) != 24:
+                raise ValueError(f"{path}: a symbol entry of {sym_entsize} bytes, not 24")
+            str_offset, str_size = sections[str_index][2], sections[str_index][3]
+            rela = np.frombuffer(data, dtype=_RELA, count=size // 24, offset=offset)
+            symbols = np.frombuffer(data, dtype=_SYM, count=sym_size // 24, offset=sym_offset)
+            rela = rela[(rela["info"] & 0xFFFFFFFF) == _R_X86_64_JUMP_SLOT]
+            names = symbols["name"][(rela["info"] >> 32).astype(np.int64)].astype(np.int64)
+            keep = _names_containing(data, str_offset, str_size, names, contains)
+            for r_offset, name_offset in zip(rela["offset"][keep].tolist(), names[keep].tolist()):
+                slots.append(PltSlot(_cstring(data, str_offset + name_offset), r_offset))
+            del rela, symbols, names  # views of the mapping: it cannot close while they live
         return slots
+
+
+def _names_containing(data, str_offset: int, str_size: int, names, contains):
+    """A mask over ``names`` (offsets into the string table at ``str_offset``): which name holds
+    one of ``contains``.  A name runs from its offset to the next NUL, and the linker may point
+    several names into one string (a name may be another's tail), so a name holds an occurrence
+    at ``p`` when it starts between that string's start and ``p``."""
+    import numpy as np
+
+    if not contains:
+        return np.ones(len(names), dtype=bool)
+    keep = np.zeros(len(names), dtype=bool)
+    end = str_offset + str_size
+    for needle in contains:
+        needle = needle.encode()
+        at = data.find(needle, str_offset, end)
+        while at != -1:
+            start = data.rfind(b"\0", str_offset, at) + 1 or str_offset
+            keep |= (names >= start - str_offset) & (names <= at - str_offset)
+            at = data.find(needle, at + 1, end)
+    return keep
 
 
 def demangle(symbol: str) -> str:
@@ -142,6 +178,7 @@ def _page_writable(address: int) -> bool:
     raise RuntimeError(f"paddle_hybrid: address {address:#x} is not mapped.")
 
 
+@functools.lru_cache(maxsize=None)
 def _libc():
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -149,6 +186,7 @@ def _libc():
     return libc
 
 
+@functools.lru_cache(maxsize=None)
 def _cxx_runtime():
     runtime = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
     runtime.__cxa_demangle.restype = ctypes.c_void_p

@@ -36,29 +36,40 @@
    A store made while the plugin was installed keeps the option after ``uninstall()`` (the
    wrapper itself is removed). Linux only (the sockets are found through ``/proc/self/fd``);
    elsewhere the store is left as Paddle made it.
+
+3. **No 3-second sleep at start-up** (with 2). A rank other than 0 connects its store client
+   to rank 0's server once; if the server is not listening yet (rank 0 is still importing),
+   Paddle's client sleeps 3 s before it tries again (``tcp_connect``'s fixed delay): in one
+   start of a 2-rank job in four on 2 cores, every rank then waits 3 s in
+   ``init_parallel_env``. The same wrapper, on such a rank, first tries the master's endpoint
+   itself every 10 ms for up to those 3 s (never longer than Paddle's own first sleep, so no
+   deadline of the user's is touched) and calls Paddle's once the server accepts. A try that
+   connects is closed at once; the classic server drops a closed connection like any peer
+   that leaves. Only with the classic server (a user who chose libuv keeps Paddle's behaviour).
 """
 from __future__ import annotations
 
 import functools
 import os
 import socket
+import time
 
 from .sockets import socket_fds
 
 __all__ = ["apply", "FLAG"]
 
 FLAG = "FLAGS_tcp_store_using_libuv"
+_PADDLE_RETRY_DELAY = 3.0  # seconds: how long Paddle's store client sleeps after a refused connect
 
 
 def apply(config, patcher) -> None:
-    """Phases: choose the classic server; wrap the store's creation to turn Nagle off (unless
-    ``config.store_nodelay`` is False)."""
+    """Phases: choose the classic server; wrap the store's creation to wait for the server
+    before the first connect and to turn Nagle off (unless ``config.store_nodelay`` is False)."""
     _choose_classic_server(patcher)
-    if not config.store_nodelay:
-        return
     from paddle.base import core
 
-    patcher.set(core, "create_or_get_global_tcp_store", _make_create_or_get(core.create_or_get_global_tcp_store))
+    wrapper = _make_create_or_get(core.create_or_get_global_tcp_store, nodelay=config.store_nodelay)
+    patcher.set(core, "create_or_get_global_tcp_store", wrapper)
 
 
 # ---------------------------------------------------------------------------
@@ -102,7 +113,43 @@ def _set_nodelay_on_new_sockets(before: dict) -> None:
             sock.detach()
 
 
-def _make_create_or_get(original):
+def _master_endpoint():
+    """``(host, port)`` of rank 0's store server, as Paddle's C++ reads it (``PADDLE_MASTER``,
+    else the first of ``PADDLE_TRAINER_ENDPOINTS``), or None where neither says."""
+    endpoint = os.environ.get("PADDLE_MASTER") or os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")[0]
+    host, _, port = endpoint.rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def _classic_server() -> bool:
+    import paddle
+
+    try:
+        return not paddle.get_flags([FLAG])[FLAG]
+    except (ValueError, KeyError):  # a Paddle without the libuv store: the classic one
+        return True
+
+
+def wait_for_master(budget: float = _PADDLE_RETRY_DELAY, interval: float = 0.01) -> bool:
+    """On a rank other than 0, until rank 0's store server accepts a connection or ``budget``
+    seconds passed (Paddle's own retry delay): try it every ``interval``.  True once it accepts."""
+    if os.environ.get("PADDLE_TRAINER_ID", "0") == "0" or not _classic_server():
+        return False
+    endpoint = _master_endpoint()
+    if endpoint is None:
+        return False
+    give_up = time.monotonic() + budget
+    while True:
+        try:
+            with socket.create_connection(endpoint, timeout=max(interval, 0.1)):
+                return True
+        except OSError:
+            if time.monotonic() >= give_up:
+                return False
+            time.sleep(interval)
+
+
+def _make_create_or_get(original, nodelay: bool = True):
     first_call = [True]  # only the first call can make the store: later ones skip the /proc walks
 
     @functools.wraps(original)
@@ -110,6 +157,9 @@ def _make_create_or_get(original):
         if not first_call[0]:
             return original(*args, **kwargs)
         first_call[0] = False
+        wait_for_master()
+        if not nodelay:
+            return original(*args, **kwargs)
         before = socket_fds()
         store = original(*args, **kwargs)
         if before is not None:  # None: no /proc to read; a store that existed already: no new socket
