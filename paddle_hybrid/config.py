@@ -127,6 +127,13 @@ class PluginConfig:
     buckets in dygraph DP and hybrid parallel (:mod:`paddle_hybrid.dygraph.grad_buckets`); False keeps
     Paddle's own gradient sync (``PADDLE_HYBRID_GRAD_BUCKETS``).  Tri-state, as ``send_wait``."""
 
+    sharding_fused_comm: str = setting("auto", "auto_on_off")
+    """Sharding stage 1 (fleet's ``DygraphShardingOptimizer``) on a gloo group sends the gradients
+    and the updated parameters with one collective per owning rank instead of one per parameter
+    (:mod:`paddle_hybrid.dygraph.sharding_fused_comm`): ``"auto"`` on a build with no accelerator,
+    ``"on"``, ``"off"``; a group of another backend keeps Paddle's calls in any case
+    (``PADDLE_HYBRID_SHARDING_FUSED_COMM``)."""
+
     grad_bucket_max_params: int = setting(0, "count")
     """Most parameters per gradient bucket, besides ``fuse_grad_size_in_MB``; 0 means no
     count limit (``PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS``)."""

@@ -16,6 +16,7 @@ from ..dygraph.fleet_fixes import COMPONENT as fleet_fixes
 from ..dygraph.grad_buckets import COMPONENT as grad_buckets
 from ..dygraph.paddleformers_fixes import COMPONENT as paddleformers_fixes
 from ..dygraph.replica_check import COMPONENT as replica_check
+from ..dygraph.sharding_fused_comm import COMPONENT as sharding_fused_comm
 from ..dygraph.timeline import COMPONENT as timeline
 from ..dygraph.verify_record import COMPONENT as verify_record
 from ..static.auto_parallel_cpu import COMPONENT as auto_parallel_cpu
@@ -38,6 +39,7 @@ COMPONENTS = [
     static_pipeline,
     auto_parallel_cpu,
     grad_buckets,  # after fleet_fixes: both wrap HybridParallelOptimizer._hybrid_sync_grad
+    sharding_fused_comm,
     replica_check,
     verify_record,
     agreement,  # after grad_buckets: its fleet.distributed_model wrapper is outermost, so it checks first

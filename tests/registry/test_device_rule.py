@@ -107,7 +107,7 @@ def test_allow_unrun_reaches_every_gated_path(monkeypatch, plugin_restored):
     turns every one of them on (before, it reached only the four tri-state paths), and an
     explicit off still wins."""
     names = {"cpu": "cpu", "expert_parallel": "expert_parallel", "static_pipeline": "static_pipeline",
-             "auto_parallel_cpu": "auto_parallel_cpu"}
+             "auto_parallel_cpu": "auto_parallel_cpu", "sharding_fused_comm": "sharding_fused_comm"}
     assert set(AUTO_ON_OFF) == set(names)
     paddle_hybrid.uninstall()
     fake_build(monkeypatch, cuda=True)

@@ -21,6 +21,10 @@ each named here:
    (``fleet.distributed_model`` in one process, issue 33) (:data:`ADDED_PATCHES`), and the
    components ``replica_check`` and ``verify_record`` (issue 33), off unless their setting is given
    (:data:`ADDED_COMPONENTS`).
+4. the component ``sharding_fused_comm`` (issue 33; ``auto / on / off``, tested in
+   ``tests/dygraph/sharding_fused_comm``): active with its two replaced methods where the device
+   rule lets it act (a CPU build; a CUDA build that opts in), off with the rule's words elsewhere
+   (:func:`_sharding_fused_comm`).
 
 Everything else (every replaced attribute, its original and replacement, every other line of
 report()) is equal.  The history of the restructure before this one is in git (its baseline
@@ -59,6 +63,31 @@ ADDED_PATCHES = {  # change 3: component -> (owner, attribute) it replaces since
                     ("paddle.distributed.fleet.model", "distributed_model")],
 }
 ADDED_COMPONENTS = {"replica_check": "off: off (check_replicas=0)", "verify_record": "off: off (verify_dir not set)"}
+
+
+SHARDING_FUSED_PATCHES = {  # change 4
+    ("sharding_fused_comm", "DygraphShardingOptimizer", "reduce_gradients", "DygraphShardingOptimizer.reduce_gradients",
+     "_make_reduce_gradients.<locals>.reduce_gradients"),
+    ("sharding_fused_comm", "DygraphShardingOptimizer", "_sharding_sync_parameters",
+     "DygraphShardingOptimizer._sharding_sync_parameters", "_make_sync_parameters.<locals>._sharding_sync_parameters"),
+}
+
+
+def _sharding_fused_comm(case: str):
+    """Change 4: its report() line, its device-rule line and its patches in ``case``."""
+    verified = "(verified on Paddle 3.2.x/3.3.x, on CPU)"
+    active = (f"active: 2 Paddle attributes replaced {verified}; stage-1 sharding on gloo: one reduce and one "
+              "broadcast per owning rank")
+    if case == "cpu_all_off":
+        off = "off: switched off (sharding_fused_comm='off')"
+        return off, off, set()
+    if case.startswith("cpu"):
+        return active, "on", SHARDING_FUSED_PATCHES
+    if case == "cuda_allow_unrun":
+        return active, "on: opted in (allow_unrun=True): written, never run on cuda", SHARDING_FUSED_PATCHES
+    off = ("off: written, never run on cuda: opt in with PADDLE_HYBRID_SHARDING_FUSED_COMM=on "
+           "(PluginConfig(sharding_fused_comm='on')) or PADDLE_HYBRID_ALLOW_UNRUN=1")
+    return off, off, set()
 
 
 def renamed(text: str) -> str:
@@ -129,6 +158,8 @@ def _expected(before_case):
 def test_only_the_named_changes(case):
     now = _now(case)
     comps, rule, patches = _expected(BEFORE[case])
+    comps["sharding_fused_comm"], rule["sharding_fused_comm"], added = _sharding_fused_comm(case)
+    patches = patches | added
     got = {tuple(p) for p in now["patches"]}
     assert got == patches, {"unexpected": sorted(got - patches), "missing": sorted(patches - got)}
 

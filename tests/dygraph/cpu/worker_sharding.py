@@ -29,7 +29,8 @@ invariant to a common gradient scale, so a wrong global norm would go unseen);
 ``state_dict``, trains ``--extra`` more steps, and a fresh model and optimizer loaded from the files
 train the same steps).
 
-Every rank saves ``{"rank", "shard", "stage", "variants": {spec: result}}``; a result has
+Every rank saves ``{"rank", "shard", "stage", "fused_calls", "variants": {spec: result}}``
+(``fused_calls``: the collectives of :mod:`paddle_hybrid.dygraph.sharding_fused_comm`); a result has
 ``losses`` and ``params`` (``"<block>.w"/"<block>.b"`` -> array, this rank's blocks), the
 reference's ``ref_losses``/``ref_params`` for this rank's shard and ``ref_grad_norms`` (global
 gradient norm per step, before clipping), ``opt_class``/``model_class``,
@@ -291,6 +292,9 @@ def main(argv=None):
         res["ref_params"] = {k: refs[clip][1][k] for k in res["params"]}
         res["ref_grad_norms"] = refs[clip][2]
         out["variants"][spec] = res
+    from paddle_hybrid.dygraph import sharding_fused_comm
+
+    out["fused_calls"] = {kind: sharding_fused_comm.calls(kind) for kind in ("reduce", "broadcast")}
     save_result(out)
 
 
