@@ -43,4 +43,18 @@ __all__ = [
     "GradSyncError",
 ]
 
-install()
+
+def _is_the_launcher_process() -> bool:
+    """True while ``python -m paddle_hybrid.launch`` imports this package to run its launcher:
+    that process starts the workers and runs no model (each worker installs the plugin itself),
+    so it skips the install (a third of a second of a 2-process job's start-up).  ``sys.argv[0]``
+    is ``"-m"`` only while Python looks for the main module, so a script started with ``-m``
+    that imports this package later installs as usual."""
+    import sys
+
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["paddle_hybrid.launch"]
+
+
+if not _is_the_launcher_process():
+    install()

@@ -134,6 +134,11 @@ class PluginConfig:
     ``"on"``, ``"off"``; a group of another backend keeps Paddle's calls in any case
     (``PADDLE_HYBRID_SHARDING_FUSED_COMM``)."""
 
+    pipeline_fused_p2p: bool = setting(True, "switch")
+    """On gloo, a pipeline stage's tuple of tensors travels to the next stage (and its gradients
+    back) as one message of their bytes instead of one message a tensor
+    (:mod:`paddle_hybrid.dygraph.cpu.p2p`, part 3) (``PADDLE_HYBRID_PIPELINE_FUSED_P2P``)."""
+
     grad_bucket_max_params: int = setting(0, "count")
     """Most parameters per gradient bucket, besides ``fuse_grad_size_in_MB``; 0 means no
     count limit (``PADDLE_HYBRID_GRAD_BUCKET_MAX_PARAMS``)."""

@@ -94,6 +94,27 @@ def test_launch_environment_keeps_a_user_value():
 
 # -- with processes -----------------------------------------------------------------------
 
+@pytest.mark.parametrize("argv0, orig_argv, launcher", [
+    ("-m", ["python", "-m", "paddle_hybrid.launch", "--nproc_per_node", "2", "train.py"], True),
+    ("-m", ["python", "-X", "importtime", "-m", "paddle_hybrid.launch", "train.py"], True),
+    ("-m", ["python", "-m", "mypackage.train"], False),  # a user's module importing the plugin
+    ("/x/paddle_hybrid/launch/__main__.py", ["python", "-m", "paddle_hybrid.launch", "train.py"], False),
+    ("train.py", ["python", "train.py"], False),
+])
+def test_only_the_launchers_own_process_skips_the_install(monkeypatch, argv0, orig_argv, launcher):
+    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert paddle_hybrid._is_the_launcher_process() is launcher
+
+
+def test_a_module_run_with_dash_m_that_imports_the_plugin_installs_it(tmp_path):
+    (tmp_path / "uses_plugin.py").write_text("import paddle_hybrid\nprint(len(paddle_hybrid.installed_components()))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "uses_plugin"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) > 0
+
+
 def test_unchanged_script_trains_pp2_like_one_process(tmp_path):
     steps = 3
     code, results, log_dir, proc = _launch(tmp_path, "paddle_hybrid.launch", 2, "--mode", "train", "--pp", 2,

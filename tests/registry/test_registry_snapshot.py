@@ -17,8 +17,9 @@ each named here:
    all (it was registered and declined to apply).
 
 3. what was added after the step, each tested where it was added: the fleet fixes
-   ``uneven_reshard`` (``dist.reshard``, issue 32) and ``one_process_model``
-   (``fleet.distributed_model`` in one process, issue 33) (:data:`ADDED_PATCHES`), and the
+   ``uneven_reshard`` (``dist.reshard``, issue 32), ``one_process_model``
+   (``fleet.distributed_model`` in one process, issue 33) and ``view_dtype_offset``
+   (``Tensor.view``, issue 33) (:data:`ADDED_PATCHES`), and the
    components ``replica_check`` and ``verify_record`` (issue 33), off unless their setting is given
    (:data:`ADDED_COMPONENTS`).
 4. the component ``sharding_fused_comm`` (issue 33; ``auto / on / off``, tested in
@@ -60,7 +61,9 @@ REGISTERED_BY = {"FusedAllreduceOptimizer": "fused_allreduce", "PipelineSendWait
 ADDED_PATCHES = {  # change 3: component -> (owner, attribute) it replaces since
     "fleet_fixes": [("paddle.distributed", "reshard"), ("paddle.distributed.auto_parallel.api", "reshard"),
                     ("paddle.distributed.fleet", "distributed_model"),
-                    ("paddle.distributed.fleet.model", "distributed_model")],
+                    ("paddle.distributed.fleet.model", "distributed_model"),
+                    ("Tensor", "view"), ("paddle", "view"), ("paddle.tensor", "view"),
+                    ("paddle.tensor.manipulation", "view")],
 }
 ADDED_COMPONENTS = {"replica_check": "off: off (check_replicas=0)", "verify_record": "off: off (verify_dir not set)"}
 

@@ -9,24 +9,83 @@
    same ``isend``/``irecv`` pairs asynchronously on the pair groups and waits for all of
    them before returning, so the user's choice keeps working with the same results.
 
+3. A stage that hands on a tuple (PaddleFormers' pipes send hidden states, mask and positions)
+   is sent as one message per tensor; on gloo each message is a round trip that costs about a
+   millisecond on 2 cores.  With ``PluginConfig.pipeline_fused_p2p`` (on by default) the tensors
+   of a tuple travel as one message of their bytes: the sender concatenates them as bytes, the
+   receiver receives that many bytes and copies each tensor's part into the tensor Paddle
+   allocated for it (from the shapes and dtypes the two stages agreed on in their first
+   exchange, so both sides fuse the same tuples).  Bytes are copied, not converted: the values
+   are the same.  Not with ``FLAGS_pp_check_naninf`` (Paddle checks each tensor it sends).
+
 Each replacement first asks whether the pipeline group is gloo (the group ``hcg`` or the
 caller hands it); on any other backend it calls Paddle's original with the same arguments.
 """
 from __future__ import annotations
 
 import functools
+import os
 
+from ...common.tensor_bytes import copy_from_bytes, nbytes, to_bytes
 from ...registry.device import is_gloo
 from ...gloo.groups import pair_group
 
 __all__ = ["apply"]
 
 
-def _make_p2p_ops(p2p, stock_p2p_ops, stock_batched):
+class _FusedRecv:
+    """The request of a tuple received as one message: waiting for it also copies each
+    tensor's bytes into that tensor."""
+
+    def __init__(self, request, flat, tensors):
+        self._request, self._flat, self._tensors = request, flat, tensors
+
+    def wait(self):
+        self._request.wait()
+        if self._flat is not None:
+            copy_from_bytes(self._flat, self._tensors)
+            self._flat = None
+
+
+class _FusedSend:
+    """The request of a tuple sent as one message; keeps the message alive until it is sent."""
+
+    def __init__(self, request, flat):
+        self._request, self._flat = request, flat
+
+    def wait(self):
+        self._request.wait()
+        self._flat = None
+
+
+def _fusable(tensors) -> bool:
+    import paddle
+
+    return (isinstance(tensors, tuple) and len(tensors) > 1 and all(isinstance(t, paddle.Tensor) for t in tensors)
+            and os.getenv("FLAGS_pp_check_naninf", "0").lower() not in ("1", "true", "t", "y", "yes", "on"))
+
+
+def _post_fused(tensors, func, peer, group, isend):
+    """One message for the tuple ``tensors`` (see the module docstring, 3)."""
+    import paddle
+
+    if func is isend:
+        flat = to_bytes(tensors)
+        return [_FusedSend(func(flat, peer, group), flat)]
+    flat = paddle.empty([sum(nbytes(t) for t in tensors)], dtype=paddle.uint8)
+    return [_FusedRecv(func(flat, peer, group), flat, tensors)]
+
+
+def _make_p2p_ops(p2p, stock_p2p_ops, stock_batched, fuse_tuples: bool = True):
     import paddle
 
     isend, irecv = paddle.distributed.isend, paddle.distributed.irecv
-    post = p2p._p2p_ops_tuple_or_tensor
+    stock_post = p2p._p2p_ops_tuple_or_tensor
+
+    def post(tensors, func, peer, group):
+        if fuse_tuples and _fusable(tensors):
+            return _post_fused(tensors, func, peer, group, isend)
+        return stock_post(tensors, func, peer, group)
 
     def _pair_group_p2p(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, hcg):
         """Paddle's ``_p2p_ops`` with the same order of operations, each on the
@@ -98,7 +157,8 @@ def apply(config, patcher) -> None:
     patcher.check_params(meta_cls.recv_meta, ["self", "group", "reverse", "broadcast"], "SendRecvMeta.recv_meta")
     patcher.require(p2p, "_hcg", "p2p_communication")
 
-    p2p_ops, batched = _make_p2p_ops(p2p, p2p._p2p_ops, p2p._batched_p2p_ops)
+    p2p_ops, batched = _make_p2p_ops(p2p, p2p._p2p_ops, p2p._batched_p2p_ops,
+                                     fuse_tuples=config.pipeline_fused_p2p)
     patcher.set(p2p, "_p2p_ops", p2p_ops)
     patcher.set(p2p, "_batched_p2p_ops", batched)
     send_meta, recv_meta = _make_meta(p2p, meta_cls.send_meta, meta_cls.recv_meta)

@@ -10,7 +10,10 @@ to Paddle's original unchanged.
 1. ``TensorParallel._pre_forward`` -> ``broadcast_input_data`` asserts "Only support xpu,
    gpu and custom_device now, but this is cpu".  Patch: on CPU the inputs are broadcast
    from the model-parallel source rank in place (nested lists/tuples/dicts as Paddle
-   walks them) when the group is gloo and every tensor is on CPU.
+   walks them) when the group is gloo and every tensor is on CPU: all their shapes in one
+   message and all their bytes in another (:mod:`paddle_hybrid.common.tensor_bytes`), not
+   two messages a tensor (each gloo call is a round trip); inputs holding other objects go
+   one by one.
 2. ``_c_identity`` (the entry of ``ColumnParallelLinear``): the CPU kernel raises "Do not
    support c_identity for cpu kernel now".  Patch: identity forward (a copy, or with
    ``skip_c_identity_dynamic`` a view), all_reduce(sum) of the gradient over the mp group
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import functools
 
+from ...common.tensor_bytes import copy_from_bytes, to_bytes
 from ...registry.device import is_gloo, on_cpu
 
 __all__ = ["apply", "PATCHED_MP_OPS"]
@@ -393,14 +397,51 @@ def _inputs_ours(group, inputs, kwargs) -> bool:
     return all(on_cpu(t) for t in tensors) if tensors else running_on_cpu()
 
 
+def _broadcast_all_tensors_(data, group, src) -> bool:
+    """Every tensor of ``data`` from ``src`` with two broadcasts in all (their shapes in one
+    message, their bytes in another) instead of two a tensor: each gloo call is a round trip.
+    A rank whose tensor has another shape takes the source's, as :func:`_broadcast_tensor_`.
+    Returns False, having sent nothing, where ``data`` holds something else than tensors
+    (those go one by one, each object with ``broadcast_object_list``)."""
+    import paddle
+    import paddle.distributed as dist
+
+    tensors = list(_tensors(data))
+    if not tensors or len(tensors) != _count_leaves(data) or any(len(t.shape) > 8 for t in tensors):
+        return False
+    with paddle.no_grad():
+        rows = [list(t.shape) + [0] * (8 - len(t.shape)) + [len(t.shape)] for t in tensors]
+        shapes = paddle.to_tensor(rows, dtype="int64")
+        dist.broadcast(shapes, src=src, group=group)
+        for tensor, row in zip(tensors, shapes.numpy().tolist()):
+            src_shape = row[:row[8]]
+            if src_shape != list(tensor.shape):
+                paddle.assign(paddle.zeros(src_shape, dtype=tensor.dtype), output=tensor)
+        flat = to_bytes(tensors)
+        dist.broadcast(flat, src=src, group=group)
+        if dist.get_rank() != src:
+            copy_from_bytes(flat, tensors)
+    return True
+
+
+def _count_leaves(data) -> int:
+    """How many leaves :func:`_broadcast_nested_` would broadcast (tensors and other objects)."""
+    if isinstance(data, dict):
+        return sum(_count_leaves(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return sum(_count_leaves(v) for v in data)
+    return 1
+
+
 def _make_broadcast_input_data(orig):
     def broadcast_input_data(hcg, *inputs, **kwargs):
         group = hcg.get_model_parallel_group()
         if not _inputs_ours(group, inputs, kwargs):
             return orig(hcg, *inputs, **kwargs)
         src = hcg.get_model_parallel_group_src_rank()
-        _broadcast_nested_(inputs, group, src)
-        _broadcast_nested_(kwargs, group, src)
+        if not _broadcast_all_tensors_((inputs, kwargs), group, src):
+            _broadcast_nested_(inputs, group, src)
+            _broadcast_nested_(kwargs, group, src)
         return inputs, kwargs
 
     return _keeps_original(orig, broadcast_input_data)

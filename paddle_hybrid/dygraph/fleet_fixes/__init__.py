@@ -27,6 +27,8 @@ fix                           what it fixes (details in the module docstring)
 :mod:`.uneven_reshard`        ``dist.reshard`` Shard -> Shard of a dimension
                               that does not divide by the mesh: an error on
                               some ranks, a hang on the others
+:mod:`.view_dtype_offset`     ``Tensor.view(dtype)`` of a slice, to another
+                              element size, reads the wrong bytes
 ============================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -38,12 +40,13 @@ from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
 from . import (moe_empty_experts, moe_scatter_grad, no_pipeline_dp, one_process_model, process_mesh_numpy2,
                sharding_v2_grads,
-               shared_weight_norm, stage3_param_groups, tied_optimizer_state, uneven_reshard)
+               shared_weight_norm, stage3_param_groups, tied_optimizer_state, uneven_reshard, view_dtype_offset)
 
 __all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
 
 FIXES = (shared_weight_norm, no_pipeline_dp, sharding_v2_grads, stage3_param_groups, moe_scatter_grad,
-         moe_empty_experts, tied_optimizer_state, process_mesh_numpy2, uneven_reshard, one_process_model)
+         moe_empty_experts, tied_optimizer_state, process_mesh_numpy2, uneven_reshard, one_process_model,
+         view_dtype_offset)
 
 
 def apply(config, patcher: Patcher) -> None:
