@@ -1,5 +1,5 @@
-"""Worker: rank 0 starts its store late (``LATE_SECONDS``); every rank reports how long its
-``init_parallel_env`` took.  Run through paddle_hybrid.testing.launch on 2 ranks."""
+"""Worker: rank 0 starts its store ``LATE_SECONDS`` after rank 1 is ready to connect to it; every
+rank reports how long its ``init_parallel_env`` took.  Run through paddle_hybrid.testing.launch on 2 ranks."""
 import os
 import time
 
@@ -13,8 +13,13 @@ from paddle_hybrid.testing import save_result
 def main():
     paddle.set_device("cpu")
     rank = int(os.environ["PADDLE_TRAINER_ID"])
-    if rank == 0:
+    ready = os.path.join(os.environ["READY_DIR"], "rank1_ready")
+    if rank == 0:  # late on purpose: only once rank 1 is about to connect
+        while not os.path.exists(ready):
+            time.sleep(0.01)
         time.sleep(float(os.environ["LATE_SECONDS"]))
+    else:
+        open(ready, "w").close()
     start = time.monotonic()
     dist.init_parallel_env()
     took = time.monotonic() - start

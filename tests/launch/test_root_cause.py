@@ -2,10 +2,11 @@
 
 Rank 1 dies right after the process group is up; rank 0, blocked in an ``all_reduce``, fails
 with gloo's "Connection reset by peer" within milliseconds of it, usually before Paddle's
-launcher looks again (it polls once a second).  Paddle's rule (lowest failed rank) then names
+launcher looks again (Paddle's polls once a second, the plugin's every 50 ms).  Paddle's rule (lowest failed rank) then names
 rank 0; the launcher must name rank 1, every time, exit with its code, and show its log.
 Also: the exit watcher leaves reaping to ``Popen`` (Paddle's ``poll()`` still gets the code).
 """
+import functools
 import os
 import subprocess
 import sys
@@ -74,3 +75,19 @@ def test_a_hung_rank_is_the_root_cause_with_its_stack_not_the_peer_that_timed_ou
     assert "in _stuck_forever" in after, _why(job)  # faulthandler's line of the hung frame
     assert "also failed: rank 0 (code 1" in after and "waiting for rank 1" in after, _why(job)
     assert time.time() - started < 60, _why(job)
+
+
+def test_the_launcher_looks_at_its_workers_every_50_ms_and_paddles_watch_comes_back():
+    """Paddle's ``Pod.watch`` sleeps a second between looks (a job ends half a second late on
+    average); inside ``root_cause_exit_code`` it looks every ``POLL_SECONDS``, and Paddle's own
+    method is back afterwards."""
+    from paddle.distributed.launch.job.pod import Pod
+
+    from paddle_hybrid.launch.exit_code import POLL_SECONDS, root_cause_exit_code
+
+    paddles = Pod.__dict__["watch"]
+    with root_cause_exit_code():
+        watch = Pod.__dict__["watch"]
+        assert isinstance(watch, functools.partialmethod) and watch.func is paddles
+        assert watch.keywords == {"interval": POLL_SECONDS} and POLL_SECONDS <= 0.05
+    assert Pod.__dict__["watch"] is paddles
