@@ -74,7 +74,7 @@ def jump_slots(path: str, contains=()) -> list:
     """Every ``R_X86_64_JUMP_SLOT`` of the library at ``path`` whose mangled name contains one of
     ``contains`` (all of them when empty), as :class:`PltSlot`.
 
-    ``libphi_core.so`` has about 87,000 slots: read one by one in Python they cost 0.5 s at every
+    ``libphi_core.so`` has about 87,000 relocations: read one by one in Python they cost about 0.3 s at every
     ``import paddle_hybrid`` of every rank.  The tables are read as arrays instead, and a name is
     decoded only where one of ``contains`` occurs in it (found by searching the string table)."""
     import numpy as np

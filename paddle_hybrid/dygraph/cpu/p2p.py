@@ -24,9 +24,8 @@ caller hands it); on any other backend it calls Paddle's original with the same 
 from __future__ import annotations
 
 import functools
-import os
 
-from ...common.tensor_bytes import copy_from_bytes, nbytes, to_bytes
+from ...common.tensor_bytes import copy_from_bytes, nbytes, paddle_checks_each_tensor, to_bytes
 from ...registry.device import is_gloo
 from ...gloo.groups import pair_group
 
@@ -62,7 +61,7 @@ def _fusable(tensors) -> bool:
     import paddle
 
     return (isinstance(tensors, tuple) and len(tensors) > 1 and all(isinstance(t, paddle.Tensor) for t in tensors)
-            and os.getenv("FLAGS_pp_check_naninf", "0").lower() not in ("1", "true", "t", "y", "yes", "on"))
+            and not paddle_checks_each_tensor())
 
 
 def _post_fused(tensors, func, peer, group, isend):

@@ -1,7 +1,7 @@
 """``Tensor.view(dtype)`` of a tensor that does not start at the beginning of its memory (a slice
 such as ``flat[8:24]``) stops with a clear error instead of returning the wrong bytes.
 
-Paddle 3.2.2 and 3.3.1, every device: ``view_dtype`` to a dtype of another element size reads
+Paddle 3.2.2 and 3.3.1, on CPU: ``view_dtype`` to a dtype of another element size reads
 from the start of the tensor's memory, not from the tensor's own offset (``_offset()``), so a
 slice viewed as another dtype holds its neighbours' bytes or memory past them (seen:
 ``paddle.arange(8, dtype="int32")[2:4].view(paddle.uint8)`` gives other bytes on each version;
@@ -12,7 +12,9 @@ Patch: before Paddle's ``view`` runs with a dtype, a tensor with a nonzero offse
 another element size raises :class:`ViewOffsetError`, naming the offset, the dtypes and the fix
 (``.clone()`` first, or ``paddle.split`` instead of slicing: both give a tensor of its own).  A
 shape, the same element size, or a tensor at offset 0 go to Paddle's unchanged.  Refused rather
-than copied: a view shares memory with its base, a copy would not.
+than copied: a view shares memory with its base, a copy would not.  Only for a tensor in host
+memory: the kernel is Paddle's on every device, but it was seen wrong on CPU only, so a tensor on
+an accelerator goes to Paddle unchanged (the device rule).
 """
 from __future__ import annotations
 
@@ -27,11 +29,18 @@ class ViewOffsetError(ValueError):
     """``view(dtype)`` of a tensor with a storage offset, which Paddle reads from the wrong place."""
 
 
+def _is_dtype(value) -> bool:
+    """A dtype as ``view`` takes one (Paddle's, NumPy's, a name), not a shape in any form."""
+    import numpy as np
+    import paddle
+
+    return (isinstance(value, (paddle.dtype, np.dtype, str))
+            or (isinstance(value, type) and issubclass(value, np.generic)))
+
+
 def _dtype_argument(args, kwargs):
-    if len(args) == 1 and not isinstance(args[0], (list, tuple, int)):
-        return args[0]
-    value = kwargs.get("shape_or_dtype", kwargs.get("dtype"))
-    return None if isinstance(value, (list, tuple, int)) else value
+    value = args[0] if len(args) == 1 else kwargs.get("shape_or_dtype", kwargs.get("dtype"))
+    return value if value is not None and _is_dtype(value) else None
 
 
 def _check(x, dtype) -> None:
@@ -40,7 +49,7 @@ def _check(x, dtype) -> None:
     if dtype is None or not isinstance(x, paddle.Tensor) or not paddle.in_dynamic_mode():
         return
     offset = x._offset() if hasattr(x, "_offset") else 0
-    if not offset:
+    if not offset or not x.place.is_cpu_place():
         return
     size = paddle.empty([0], dtype=dtype).element_size()
     if size != x.element_size():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import os
 
+from ...common.tensor_bytes import concat_flat, copy_into, paddle_checks_each_tensor
 from ...registry.component import Component
 from ...registry.device import is_gloo
 
@@ -56,41 +57,24 @@ def _by_owner_and_dtype(items):
     return groups
 
 
-def _flat(tensors):
-    import paddle
-
-    return paddle.concat([t.reshape([-1]) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape([-1])
-
-
-def _copy_back(flat, tensors) -> None:
-    """Write the parts of ``flat`` into ``tensors`` in place (their identities are kept: fleet and
-    the optimizer hold them)."""
-    import paddle
-
-    sizes = [int(t.numel()) for t in tensors]
-    parts = paddle.split(flat, sizes) if len(tensors) > 1 else [flat]
-    for tensor, part in zip(tensors, parts):
-        paddle.assign(part.reshape(tensor.shape), output=tensor)
-
-
 def _reduce_fused(tensors, dst: int, op, group, mine: bool) -> None:
     import paddle.distributed as dist
 
-    flat = _flat(tensors)
+    flat = concat_flat(tensors)
     dist.reduce(flat, dst=dst, op=op, group=group, sync_op=True)
     _CALLS["reduce"] += 1
     if mine:
-        _copy_back(flat, tensors)
+        copy_into(flat, tensors)
 
 
 def _broadcast_fused(tensors, src: int, group, mine: bool) -> None:
     import paddle.distributed as dist
 
-    flat = _flat(tensors)
+    flat = concat_flat(tensors)
     dist.broadcast(flat, src=src, group=group, sync_op=True)
     _CALLS["broadcast"] += 1
     if not mine:
-        _copy_back(flat, tensors)
+        copy_into(flat, tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -103,15 +87,25 @@ def _paddle_path_only(optimizer, group) -> bool:
 
     return (not is_gloo(group) or optimizer.comm_overlap or optimizer.tensor_fusion
             or getattr(optimizer, "_broadcast_overlap", False)
-            or os.getenv("FLAGS_pp_check_naninf", "0").lower() in ("1", "true", "t", "y", "yes", "on")
+            or paddle_checks_each_tensor()
             or (paddle.is_compiled_with_xpu() and os.getenv("XPU_CDNN_CLUSTER_PARALLEL") is not None))
 
 
-def _gradient_to_reduce(optimizer, param, nranks: int):
-    """Phases as Paddle's loop: a missing gradient becomes zeros (kept on the parameter); without
-    the AVG op the gradient is scaled by 1 / nranks and summed.  Returns ``(gradient, op)``."""
+def _reduce_op(optimizer):
+    """Paddle's choice: AVG where the backend has it, else each gradient is scaled by 1 / nranks
+    and summed (also in align mode, which scales in advance).  Returns ``(op, scale first)``."""
     import paddle
     from paddle.distributed import ReduceOp
+
+    if not optimizer.use_reduce_avg:
+        return ReduceOp.SUM, True
+    return (ReduceOp.SUM if paddle.distributed.in_auto_parallel_align_mode() else ReduceOp.AVG), False
+
+
+def _gradient_to_reduce(optimizer, param, nranks: int, scale: bool):
+    """Phases as Paddle's loop: a missing gradient becomes zeros (kept on the parameter); the
+    gradient is scaled by 1 / nranks where the op is a plain sum."""
+    import paddle
 
     grad = optimizer._get_param_grad(param)
     if grad is None:
@@ -121,13 +115,9 @@ def _gradient_to_reduce(optimizer, param, nranks: int):
         else:
             grad = paddle.zeros_like(param, dtype=param.dtype)
             param.grad = grad
-    op = ReduceOp.AVG
-    if not optimizer.use_reduce_avg:
+    if scale:
         grad.scale_(1.0 / nranks)
-        op = ReduceOp.SUM
-    if paddle.distributed.in_auto_parallel_align_mode():
-        op = ReduceOp.SUM  # Paddle's align mode scales in advance
-    return grad, op
+    return grad
 
 
 def _make_reduce_gradients(original):
@@ -137,15 +127,10 @@ def _make_reduce_gradients(original):
             return original(self, parameter_list, hcg)
         from paddle import framework
 
+        op, scale = _reduce_op(self)
         with framework.no_grad():
-            ops, owned = set(), []
-            for param in parameter_list:
-                grad, op = _gradient_to_reduce(self, param, group.nranks)
-                ops.add(op)
-                owned.append((self._param2rank[param.name], grad))
-            if len(ops) > 1:  # not seen: one optimizer has one setting; kept exact if it ever happens
-                return original(self, parameter_list, hcg)
-            op = ops.pop() if ops else None
+            owned = [(self._param2rank[param.name], _gradient_to_reduce(self, param, group.nranks, scale))
+                     for param in parameter_list]
             for (owner, _dtype), grads in _by_owner_and_dtype(owned).items():
                 _reduce_fused(grads, group.ranks[owner], op, group, owner == self._sharding_rank)
         return None
