@@ -27,13 +27,18 @@
 // exchange the even (or lower) rank sends first and its partner receives first.
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdio>
-#include <memory>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "paddle/extension.h"
 #include "paddle/phi/backends/cpu/cpu_context.h"
 #include "paddle/phi/common/bfloat16.h"
 #include "paddle/phi/common/float16.h"
@@ -41,6 +46,8 @@
 #include "paddle/phi/core/allocator.h"
 #include "paddle/phi/core/dense_tensor.h"
 #include "paddle/phi/core/distributed/comm_context.h"
+#include "paddle/phi/core/distributed/comm_context_manager.h"
+#include "paddle/phi/core/platform/device_context.h"
 #include "paddle/phi/core/enforce.h"
 
 // Paddle's wheel ships `gloo_comm_context.h` but not the gloo headers it includes,
@@ -289,14 +296,9 @@ void AllToAllV(GlooCommContext* comm, const char* send, const int64_t* send_byte
 
 // -- send / recv ----------------------------------------------------------------------------
 
-template <typename T>
-void PSend(const CPUContext& dev_ctx, const DenseTensor& x, int peer, bool dynamic_shape) {
-  using Fn = void (*)(const CPUContext&, const DenseTensor&, int, bool);
-  GlooCommContext* comm = GlooOf(dev_ctx);
-  if (comm == nullptr) {
-    return Original<Fn>("PSendKernel", TypeName<T>::value)(dev_ctx, x, peer, dynamic_shape);
-  }
-  Count("PSendKernel");
+// One message of `x` to `peer` (a shape message first when `dynamic_shape`).
+void GlooSend(GlooCommContext* comm, const CPUContext& dev_ctx, const DenseTensor& x, int peer,
+              bool dynamic_shape) {
   if (dynamic_shape) {
     DenseTensor rank_only, shape;
     rank_only.Resize({1});
@@ -311,15 +313,9 @@ void PSend(const CPUContext& dev_ctx, const DenseTensor& x, int peer, bool dynam
   if (x.numel() > 0) comm->Send(x, peer);
 }
 
-template <typename T>
-void PRecv(const CPUContext& dev_ctx, int peer, phi::DataType dtype, const std::vector<int>& out_shape,
-           bool dynamic_shape, DenseTensor* out) {
-  using Fn = void (*)(const CPUContext&, int, phi::DataType, const std::vector<int>&, bool, DenseTensor*);
-  GlooCommContext* comm = GlooOf(dev_ctx);
-  if (comm == nullptr) {
-    return Original<Fn>("PRecvKernel", TypeName<T>::value)(dev_ctx, peer, dtype, out_shape, dynamic_shape, out);
-  }
-  Count("PRecvKernel");
+// The message GlooSend sent, into `out` (of `dtype`; shaped `out_shape` unless `dynamic_shape`).
+void GlooRecv(GlooCommContext* comm, const CPUContext& dev_ctx, int peer, phi::DataType dtype,
+              const std::vector<int>& out_shape, bool dynamic_shape, DenseTensor* out) {
   if (dynamic_shape) {
     DenseTensor rank_only;
     rank_only.Resize({1});
@@ -334,9 +330,212 @@ void PRecv(const CPUContext& dev_ctx, int peer, phi::DataType dtype, const std::
   } else {
     out->Resize(common::make_ddim(std::vector<int64_t>(out_shape.begin(), out_shape.end())));
   }
-  dev_ctx.template Alloc<T>(out);
+  dev_ctx.Alloc(out, dtype);
   if (out->numel() > 0) comm->Recv(out, peer);
 }
+
+template <typename T>
+void PSend(const CPUContext& dev_ctx, const DenseTensor& x, int peer, bool dynamic_shape) {
+  using Fn = void (*)(const CPUContext&, const DenseTensor&, int, bool);
+  GlooCommContext* comm = GlooOf(dev_ctx);
+  if (comm == nullptr) {
+    return Original<Fn>("PSendKernel", TypeName<T>::value)(dev_ctx, x, peer, dynamic_shape);
+  }
+  Count("PSendKernel");
+  GlooSend(comm, dev_ctx, x, peer, dynamic_shape);
+}
+
+template <typename T>
+void PRecv(const CPUContext& dev_ctx, int peer, phi::DataType dtype, const std::vector<int>& out_shape,
+           bool dynamic_shape, DenseTensor* out) {
+  using Fn = void (*)(const CPUContext&, int, phi::DataType, const std::vector<int>&, bool, DenseTensor*);
+  GlooCommContext* comm = GlooOf(dev_ctx);
+  if (comm == nullptr) {
+    return Original<Fn>("PRecvKernel", TypeName<T>::value)(dev_ctx, peer, dtype, out_shape, dynamic_shape, out);
+  }
+  Count("PRecvKernel");
+  GlooRecv(comm, dev_ctx, peer, phi::CppTypeToDataType<T>::Type(), out_shape, dynamic_shape, out);
+}
+
+// -- send_v2 / recv_v2 of static programs ---------------------------------------------------
+//
+// The CPU kernels of the legacy operators `send_v2` / `recv_v2` (what a PIR pipeline's
+// stages exchange) only throw, and no call of Paddle's reaches them through a table the
+// plugin can point elsewhere.  `paddle_hybrid.gloo.comm_contexts` replaces each in the
+// executor's copy of a CPU program by `ph_send_v2` / `ph_recv_v2` (same attributes), which
+// send on ring `ring_id`'s gloo comm context as p_send / p_recv do.
+
+GlooCommContext* RingGloo(int ring_id, const char* op) {
+  auto& manager = phi::distributed::CommContextManager::GetInstance();
+  const std::string key = std::to_string(ring_id);
+  PD_CHECK(manager.Has(key), op, ": no comm context for ring ", ring_id,
+           " in this process (its process group was not created with paddle_hybrid installed).");
+  phi::distributed::CommContext* ctx = manager.Get(key);
+  PD_CHECK(gloo_vtable != nullptr && *reinterpret_cast<const void* const*>(ctx) == gloo_vtable, op,
+           ": the comm context of ring ", ring_id, " is not a gloo one.");
+  return static_cast<GlooCommContext*>(ctx);
+}
+
+const CPUContext& CpuContext() {
+  return *static_cast<const CPUContext*>(phi::DeviceContextPool::Instance().Get(phi::CPUPlace()));
+}
+
+// A ring's sends, in order, on a thread of their own.  A pipeline schedule posts a send and
+// goes on (on a GPU it only enqueues it on a stream): 1F1B's last stage receives microbatch i + 1
+// before it sends the gradient of i, while the first stage receives that gradient before it
+// sends i + 1.  A gloo send returns once its peer receives, so done in the caller both would
+// wait for ever.  The bytes are copied when posted; an error of a send is raised by the next
+// send on any ring, or by `ph_p2p_flush`.
+class RingSender {
+ public:
+  explicit RingSender(GlooCommContext* comm) : comm_(comm), thread_([this] { Loop(); }) {}
+  ~RingSender() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  void Post(const DenseTensor& x, int peer, bool dynamic_shape) {
+    auto copy = std::make_unique<DenseTensor>();
+    copy->Resize(x.dims());
+    CpuContext().Alloc(copy.get(), x.dtype());
+    if (x.numel() > 0) std::memcpy(copy->data(), x.data(), x.numel() * phi::SizeOf(x.dtype()));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(Item{std::move(copy), peer, dynamic_shape});
+    }
+    wake_.notify_all();
+  }
+
+  // Wait until every posted send is done.
+  void Flush() {
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+  }
+
+ private:
+  struct Item {
+    std::unique_ptr<DenseTensor> tensor;
+    int peer;
+    bool dynamic_shape;
+  };
+
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      Item item = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      try {
+        GlooSend(comm_, CpuContext(), *item.tensor, item.peer, item.dynamic_shape);
+      } catch (const std::exception& e) {
+        RecordError(std::string("a send to peer ") + std::to_string(item.peer) + ": " + e.what());
+      }
+      item.tensor.reset();
+      lock.lock();
+      busy_ = false;
+      idle_.notify_all();
+    }
+  }
+
+  GlooCommContext* comm_;
+  std::mutex mu_;
+  std::condition_variable wake_, idle_;
+  std::deque<Item> queue_;
+  bool busy_ = false, stop_ = false;
+  std::thread thread_;  // last: started once the members above exist
+
+ public:
+  static void RecordError(const std::string& what) {
+    std::lock_guard<std::mutex> lock(ErrorMutex());
+    if (Error().empty()) Error() = what;
+  }
+  static void RaiseError() {
+    std::lock_guard<std::mutex> lock(ErrorMutex());
+    if (!Error().empty()) PD_THROW("paddle_hybrid: an earlier ph_send_v2 failed: ", Error());
+  }
+
+ private:
+  static std::mutex& ErrorMutex() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::string& Error() {
+    static std::string error;
+    return error;
+  }
+};
+
+std::mutex& SendersMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::map<GlooCommContext*, std::unique_ptr<RingSender>>& Senders() {
+  static auto* senders = new std::map<GlooCommContext*, std::unique_ptr<RingSender>>();  // never destroyed:
+  return *senders;  // its threads may outlive static destruction at exit
+}
+
+RingSender& SenderOf(GlooCommContext* comm) {
+  std::lock_guard<std::mutex> lock(SendersMutex());
+  auto& sender = Senders()[comm];
+  if (!sender) sender = std::make_unique<RingSender>(comm);
+  return *sender;
+}
+
+// Paddle's PIR executor reports an exception of a custom op as "std::exception", without its
+// message: the message goes to stderr too, where the rank's log keeps it.
+template <typename Fn>
+auto Reported(const char* op, Fn fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "paddle_hybrid: %s failed: %s\n", op, e.what());
+    std::fflush(stderr);
+    throw;
+  }
+}
+
+void PhSendV2Kernel(paddle::Tensor& x, int ring_id, int peer, bool dynamic_shape) {  // NOLINT
+  Reported("ph_send_v2", [&] {
+    PD_CHECK(x.is_cpu() && x.is_dense_tensor(), "ph_send_v2: a dense CPU tensor is needed.");
+    Count("SendV2");
+    RingSender::RaiseError();
+    SenderOf(RingGloo(ring_id, "ph_send_v2")).Post(*static_cast<const DenseTensor*>(x.impl().get()), peer,
+                                                   dynamic_shape);
+  });
+}
+
+std::vector<paddle::Tensor> PhRecvV2Kernel(const paddle::Tensor& like, int ring_id, int peer,
+                                           const std::vector<int>& out_shape, bool dynamic_shape) {
+  return Reported("ph_recv_v2", [&] {
+    PD_CHECK(like.is_cpu(), "ph_recv_v2: runs on CPU only.");
+    Count("RecvV2");
+    auto out = std::make_shared<DenseTensor>();
+    GlooRecv(RingGloo(ring_id, "ph_recv_v2"), CpuContext(), peer, like.dtype(), out_shape, dynamic_shape, out.get());
+    return std::vector<paddle::Tensor>{paddle::Tensor(out)};
+  });
+}
+
+std::vector<std::vector<int64_t>> PhSendV2InferShape(const std::vector<int64_t>& x_shape, int ring_id, int peer,
+                                                     bool dynamic_shape) {
+  return {};
+}
+
+std::vector<paddle::DataType> PhSendV2InferDtype(const paddle::DataType& x_dtype) { return {}; }
+
+std::vector<std::vector<int64_t>> PhRecvV2InferShape(const std::vector<int64_t>& like_shape, int ring_id, int peer,
+                                                     const std::vector<int>& out_shape, bool dynamic_shape) {
+  return {std::vector<int64_t>(out_shape.begin(), out_shape.end())};
+}
+
+std::vector<paddle::DataType> PhRecvV2InferDtype(const paddle::DataType& like_dtype) { return {like_dtype}; }
 
 // -- GetDefaultPlace --------------------------------------------------------------------------
 
@@ -354,6 +553,23 @@ void* KernelFor(const std::string& kernel) {
 }
 
 }  // namespace
+
+PD_BUILD_OP(ph_send_v2)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "peer: int", "dynamic_shape: bool"})
+    .SetInplaceMap({{"X", "Out"}})
+    .SetKernelFn(PD_KERNEL(PhSendV2Kernel))
+    .SetInferShapeFn(PD_INFER_SHAPE(PhSendV2InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PhSendV2InferDtype));
+
+PD_BUILD_OP(ph_recv_v2)
+    .Inputs({"Like"})
+    .Outputs({"Out"})
+    .Attrs({"ring_id: int", "peer: int", "out_shape: std::vector<int>", "dynamic_shape: bool"})
+    .SetKernelFn(PD_KERNEL(PhRecvV2Kernel))
+    .SetInferShapeFn(PD_INFER_SHAPE(PhRecvV2InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PhRecvV2InferDtype));
 
 extern "C" {
 
@@ -395,6 +611,23 @@ int ph_gloo_all_to_all_v(void* context, const char* send, const int64_t* send_by
                           "paddle_hybrid all_to_all: the comm context is not a GlooCommContext."));
     Count("AllToAllV");
     AllToAllV(static_cast<GlooCommContext*>(context), send, send_bytes, recv, recv_bytes);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(error, error_size, "%s", e.what());
+    return -1;
+  }
+}
+
+// Wait until every send posted by ph_send_v2 is done; 0, or -1 with the first error in `error`.
+int ph_p2p_flush(char* error, int error_size) {
+  try {
+    std::vector<RingSender*> senders;
+    {
+      std::lock_guard<std::mutex> lock(SendersMutex());
+      for (auto& item : Senders()) senders.push_back(item.second.get());
+    }
+    for (RingSender* sender : senders) sender->Flush();
+    RingSender::RaiseError();
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(error, error_size, "%s", e.what());

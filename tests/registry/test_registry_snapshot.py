@@ -26,6 +26,9 @@ each named here:
    ``tests/dygraph/sharding_fused_comm``): active with its two replaced methods where the device
    rule lets it act (a CPU build; a CUDA build that opts in), off with the rule's words elsewhere
    (:func:`_sharding_fused_comm`).
+5. ``auto_parallel_cpu`` (issue 34) replaces two methods of Paddle's executor more (the
+   executor's copy of a CPU PIR program gets a comm context per collective and gloo sends/receives:
+   ``tests/static/auto_parallel_cpu/test_to_static.py``) (:data:`AUTO_PARALLEL_PATCHES`).
 
 Everything else (every replaced attribute, its original and replacement, every other line of
 report()) is equal.  The history of the restructure before this one is in git (its baseline
@@ -73,6 +76,13 @@ SHARDING_FUSED_PATCHES = {  # change 4
      "_make_reduce_gradients.<locals>.reduce_gradients"),
     ("sharding_fused_comm", "DygraphShardingOptimizer", "_sharding_sync_parameters",
      "DygraphShardingOptimizer._sharding_sync_parameters", "_make_sync_parameters.<locals>._sharding_sync_parameters"),
+}
+
+AUTO_PARALLEL_PATCHES = {  # change 5
+    ("auto_parallel_cpu", "_ExecutorCache", "_get_pir_program_and_executor",
+     "_ExecutorCache._get_pir_program_and_executor", "_ExecutorCache._get_pir_program_and_executor"),
+    ("auto_parallel_cpu", "_StandaloneExecutor", "_create_new_executor", "_StandaloneExecutor._create_new_executor",
+     "_StandaloneExecutor._create_new_executor"),
 }
 
 
@@ -144,6 +154,11 @@ def _expected(before_case):
             patches |= {(component, owner, attr, attr, attr) for owner, attr in added}
             count = int(re.match(r"active: (\d+)", comps[component]).group(1))
             comps[component] = comps[component].replace(f"active: {count} ", f"active: {count + len(added)} ", 1)
+    if any(p[0] == "auto_parallel_cpu" for p in patches):  # change 5
+        patches |= AUTO_PARALLEL_PATCHES
+        count = int(re.match(r"active: (\d+)", comps["auto_parallel_cpu"]).group(1))
+        comps["auto_parallel_cpu"] = comps["auto_parallel_cpu"].replace(
+            f"active: {count} ", f"active: {count + len(AUTO_PARALLEL_PATCHES)} ", 1)
     comps.update(ADDED_COMPONENTS)
     for name in REGISTERED_BY.values():  # change 2: on where its gate is on, else the gate's words
         gate = rule[name]

@@ -65,22 +65,36 @@ _first_group_ranks: list = []  # ranks of the first group given a comm context i
 def _make_instantiate(original, timeout_of):
     @functools.wraps(original)
     def instantiate(self):
-        from paddle.base import core
         from paddle.distributed.auto_parallel.static import process_group
 
-        from ...gloo import rings
+        from ...gloo import comm_contexts, rings
 
         if not _cpu_build() or self._is_instantiate:
             return original(self)
         genv = process_group._get_global_env()
         if self.nranks >= 2 and genv.rank in self.ranks:
-            _check_same_ranks(self)
+            if not _pir_programs():
+                _check_same_ranks(self)
             info = rings.RingInfo(self.id, self.local_rank(genv.rank), [genv.trainer_endpoints[i] for i in self.ranks])
-            store = rings.ring_store(info, f"auto_parallel/{self.id}", timeout_of())
-            core.CommContextManager.create_gloo_comm_context(store, str(self.id), info.rank, info.nranks)
+            comm_contexts.ensure(self.id, list(self.ranks), genv.rank, list(range(genv.world_size)),
+                                 lambda: rings.ring_store(info, _store_name(self), timeout_of()))
         self._is_instantiate = True  # the store rendezvous synchronised the members
 
     return instantiate
+
+
+def _store_name(group) -> str:
+    """The store prefix of a group's rendezvous.  Its ranks are part of it: the PIR reshard numbers
+    groups per process, so one id names [0, 1] on ranks 0 and 1 and [2, 3] on ranks 2 and 3."""
+    return f"auto_parallel/{group.id}/{'-'.join(map(str, group.ranks))}"
+
+
+def _pir_programs() -> bool:
+    """Whether static programs are PIR programs here (whose collectives each get their own ring's
+    context: :func:`paddle_hybrid.gloo.comm_contexts.select_rings`)."""
+    from paddle.base.framework import get_flags
+
+    return bool(get_flags("FLAGS_enable_pir_api")["FLAGS_enable_pir_api"])
 
 
 def _check_same_ranks(group) -> None:
@@ -90,9 +104,18 @@ def _check_same_ranks(group) -> None:
     elif ranks != _first_group_ranks:
         raise NotImplementedError(
             f"paddle_hybrid.static.auto_parallel_cpu: process group {group.id} has ranks {ranks}, an earlier group "
-            f"{_first_group_ranks}. On CPU every legacy collective op of a process runs on the first group's gloo "
+            f"{_first_group_ranks}. On CPU every collective op of a legacy-IR program runs on the first group's gloo "
             "context (Paddle sets it once on the shared CPU device context), so only meshes whose groups all "
-            "hold the same ranks (1 x N) run correctly.")
+            "hold the same ranks (1 x N) run correctly there; PIR programs (FLAGS_enable_pir_api=1, the default) "
+            "run any mesh.")
+
+
+def _world_barrier(*_args, **_kwargs):
+    """``_legacy_C_ops.barrier(x, x, 'ring_id', 0)`` of the helper: the world group's barrier (the
+    CPU kernel of the legacy op finds no comm context on the shared CPU device context)."""
+    import paddle.distributed as dist
+
+    dist.barrier()
 
 
 # -- c_concat -------------------------------------------------------------------------------
@@ -157,13 +180,17 @@ def apply(config, patcher) -> None:
     """Phases: check every target, then the device answers and the patches."""
     from paddle.distributed.auto_parallel.static import cluster, engine, helper, process_group
 
+    from ...gloo import comm_contexts
+
     patcher.check_params(process_group.ProcessGroup.instantiate, ["self"], "ProcessGroup.instantiate")
     patcher.check_params(engine.Engine._parallel, ["self", "mode", "all_ranks"], "Engine._parallel")
     timeout = config.seconds("static_pipeline_timeout")
     patcher.answer(cluster, "paddle", {"device.cuda.get_device_properties": _cpu_device_properties},
                    when=_cpu_build, why="the cluster description of a CPU machine")
-    patcher.answer(helper, "paddle", {"device.synchronize": _nothing_to_synchronize},
-                   when=_cpu_build, why="ProgramHelper.init's synchronize")
+    patcher.answer(helper, "paddle", {"device.synchronize": _nothing_to_synchronize,
+                                      "_legacy_C_ops.barrier": _world_barrier},
+                   when=_cpu_build, why="ProgramHelper.init's synchronize and world barrier")
+    comm_contexts.apply(config, patcher, when=_cpu_build)
     patcher.set(process_group.ProcessGroup, "instantiate",
                 _make_instantiate(process_group.ProcessGroup.instantiate, lambda: timeout))
     patcher.set(engine.Engine, "_parallel", _make_parallel(engine.Engine._parallel))
