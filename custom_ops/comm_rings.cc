@@ -22,7 +22,8 @@
 
 #include "paddle/extension.h"
 #include "paddle/phi/core/distributed/comm_context_manager.h"
-#include "paddle/phi/core/platform/device_context.h"
+#include "paddle/phi/api/include/context_pool.h"
+#include "paddle/phi/core/device_context.h"
 
 namespace {
 
@@ -33,7 +34,7 @@ void UseRing(const paddle::Tensor& x, int ring_id) {
   // A ring with no context here (an op that names a ring but communicates nothing, a one-rank
   // group): the collective runs as it would without this op.
   if (!manager.Has(key)) return;
-  phi::DeviceContextPool::Instance().Get(phi::CPUPlace())->SetCommContext(manager.Get(key));
+  paddle::experimental::DeviceContextPool::Instance().GetMutable(phi::CPUPlace())->SetCommContext(manager.Get(key));
 }
 
 void PhUseRingKernel(paddle::Tensor& x, int ring_id) {  // NOLINT

@@ -47,7 +47,7 @@
 #include "paddle/phi/core/dense_tensor.h"
 #include "paddle/phi/core/distributed/comm_context.h"
 #include "paddle/phi/core/distributed/comm_context_manager.h"
-#include "paddle/phi/core/platform/device_context.h"
+#include "paddle/phi/api/include/context_pool.h"
 #include "paddle/phi/core/enforce.h"
 
 // Paddle's wheel ships `gloo_comm_context.h` but not the gloo headers it includes,
@@ -377,7 +377,7 @@ GlooCommContext* RingGloo(int ring_id, const char* op) {
 }
 
 const CPUContext& CpuContext() {
-  return *static_cast<const CPUContext*>(phi::DeviceContextPool::Instance().Get(phi::CPUPlace()));
+  return *static_cast<const CPUContext*>(paddle::experimental::DeviceContextPool::Instance().Get(phi::CPUPlace()));
 }
 
 // A ring's sends, in order, on a thread of their own.  A pipeline schedule posts a send and
