@@ -15,6 +15,7 @@
 //
 // `ph_comm_context_has` answers from Python whether a key is taken (Paddle's Python binding of
 // the manager has no such call): a group made twice under one key raises AlreadyExists.
+// `ph_comm_context` gives a context's address (its gloo deadline is set through it).
 
 #include <cstdio>
 #include <string>
@@ -68,6 +69,12 @@ extern "C" {
 // Whether the process's comm-context manager holds `key`.
 int ph_comm_context_has(const char* key) {
   return phi::distributed::CommContextManager::GetInstance().Has(key) ? 1 : 0;
+}
+
+// The comm context the manager holds under `key`, or null.
+void* ph_comm_context(const char* key) {
+  auto& manager = phi::distributed::CommContextManager::GetInstance();
+  return manager.Has(key) ? static_cast<void*>(manager.Get(key)) : nullptr;
 }
 
 }  // extern "C"

@@ -42,8 +42,8 @@ import ctypes
 import functools
 import threading
 
-__all__ = ["USE_RING_OP", "SEND_OP", "RECV_OP", "CommContextConflict", "apply", "ensure", "flush_sends", "has",
-           "select_rings", "selected"]
+__all__ = ["USE_RING_OP", "SEND_OP", "RECV_OP", "CommContextConflict", "address", "apply", "ensure", "flush_sends",
+           "has", "made", "select_rings", "selected"]
 
 USE_RING_OP, SEND_OP, RECV_OP = "ph_use_ring", "ph_send_v2", "ph_recv_v2"
 # As PIR names them (an in-place custom op's name ends in "_").
@@ -62,6 +62,8 @@ def _library():
     library = ctypes.CDLL(ops.library_path())
     library.ph_comm_context_has.argtypes = [ctypes.c_char_p]
     library.ph_comm_context_has.restype = ctypes.c_int
+    library.ph_comm_context.argtypes = [ctypes.c_char_p]
+    library.ph_comm_context.restype = ctypes.c_void_p
     return library
 
 
@@ -70,14 +72,23 @@ def has(key: str) -> bool:
     return bool(_library().ph_comm_context_has(str(key).encode()))
 
 
+def address(key: str) -> int:
+    """Address of the comm context the manager holds under ``key`` (0: none)."""
+    return _library().ph_comm_context(str(key).encode()) or 0
+
+
+made: dict = {}
+"""group id -> address of every comm context :func:`ensure` made in this process."""
+
+
 # -- making contexts -------------------------------------------------------------------------
 
-def ensure(group_id: int, ranks: list, rank: int, world_ranks: list, store_of) -> bool:
+def ensure(group_id: int, ranks: list, rank: int, world_ranks: list, store_of, timeout: float) -> bool:
     """The gloo comm context of group ``group_id`` (global ``ranks``, this process global
     ``rank``): made on ``store_of()`` (a store for this group alone) unless the key is taken by
-    the same group; ``world_ranks`` are the job's ranks (group 0 is the world).  Returns whether
-    a context was made.  Raises :class:`CommContextConflict` when the key belongs to another
-    group."""
+    the same group; ``world_ranks`` are the job's ranks (group 0 is the world).  Its operations
+    wait ``timeout`` seconds for a peer (gloo's own default is 30 s).  Returns whether a context
+    was made.  Raises :class:`CommContextConflict` when the key belongs to another group."""
     from paddle.base import core
 
     key = str(group_id)
@@ -85,7 +96,23 @@ def ensure(group_id: int, ranks: list, rank: int, world_ranks: list, store_of) -
         _check_same_group(group_id, list(ranks), list(world_ranks))
         return False
     core.CommContextManager.create_gloo_comm_context(store_of(), key, list(ranks).index(rank), len(ranks))
+    made[group_id] = address(key)
+    _set_deadline(made[group_id], timeout)
     return True
+
+
+def _set_deadline(comm: int, timeout: float) -> None:
+    """The context's gloo operations wait ``timeout``; where this Paddle does not allow it, gloo's
+    30 s stays and one warning says so."""
+    import warnings
+
+    from . import context_timeout
+
+    try:
+        context_timeout.set_comm_context_timeout_ms(comm, max(1, int(timeout * 1000)))
+    except context_timeout.GlooTimeoutUnavailable as exc:
+        warnings.warn(f"paddle_hybrid: a static program's gloo contexts keep gloo's 30 s timeout ({exc}).",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _check_same_group(group_id: int, ranks: list, world_ranks: list) -> None:

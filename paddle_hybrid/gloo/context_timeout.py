@@ -31,7 +31,8 @@ import os
 import platform
 import re
 
-__all__ = ["GlooTimeoutUnavailable", "available", "comm_context", "get_timeout_ms", "set_timeout_ms"]
+__all__ = ["GlooTimeoutUnavailable", "available", "comm_context", "get_comm_context_timeout_ms", "get_timeout_ms",
+           "set_comm_context_timeout_ms", "set_timeout_ms"]
 
 _GET_COMM_CONTEXT = "_ZN6paddle11distributed16ProcessGroupGloo14GetCommContextEv"
 _SET_TIMEOUT = "_ZN4gloo7Context10setTimeoutENSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"
@@ -150,8 +151,14 @@ def comm_context(process_group) -> int:
 
 def _gloo_context(process_group) -> int:
     """Address of the ``gloo::Context`` the group's operations use, its layout checked."""
+    return _gloo_context_of(comm_context(process_group))
+
+
+def _gloo_context_of(comm: int) -> int:
+    """Address of the ``gloo::Context`` of the ``GlooCommContext`` at ``comm``, its layout checked."""
     lib = _load()
-    comm = comm_context(process_group)
+    if _word(_read(comm, 8), 0) != lib["comm_vptr"]:
+        raise GlooTimeoutUnavailable("the comm context is not the GlooCommContext this was written for")
     head = _read(comm, 24)  # vptr, int rank, int size, shared_ptr<gloo::rendezvous::Context> (pointer first)
     context = _word(head, 16)
     gloo = _read(context, 16)  # vptr, int rank, int size
@@ -167,7 +174,23 @@ def get_timeout_ms(process_group) -> int:
 
 def set_timeout_ms(process_group, milliseconds: int) -> None:
     """From ``process_group``'s next operation on, gloo waits ``milliseconds`` for a peer."""
+    _check_ms(milliseconds)
+    _load()["set"](_gloo_context(process_group), milliseconds)
+
+
+def get_comm_context_timeout_ms(comm: int) -> int:
+    """The timeout of the ``GlooCommContext`` at address ``comm`` (one the comm-context manager
+    holds, not a process group's), in milliseconds."""
+    return _load()["get"](_gloo_context_of(comm))
+
+
+def set_comm_context_timeout_ms(comm: int, milliseconds: int) -> None:
+    """From the next operation on the ``GlooCommContext`` at address ``comm``, gloo waits
+    ``milliseconds`` for a peer."""
+    _check_ms(milliseconds)
+    _load()["set"](_gloo_context_of(comm), milliseconds)
+
+
+def _check_ms(milliseconds) -> None:
     if isinstance(milliseconds, bool) or not isinstance(milliseconds, int) or milliseconds < 1:
         raise ValueError(f"paddle_hybrid: a gloo timeout must be a positive number of milliseconds, got {milliseconds!r}.")
-    context = _gloo_context(process_group)
-    _load()["set"](context, milliseconds)

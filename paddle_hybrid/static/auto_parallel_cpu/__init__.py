@@ -77,7 +77,7 @@ def _make_instantiate(original, timeout_of):
                 _check_same_ranks(self)
             info = rings.RingInfo(self.id, self.local_rank(genv.rank), [genv.trainer_endpoints[i] for i in self.ranks])
             comm_contexts.ensure(self.id, list(self.ranks), genv.rank, list(range(genv.world_size)),
-                                 lambda: rings.ring_store(info, _store_name(self), timeout_of()))
+                                 lambda: rings.ring_store(info, _store_name(self), timeout_of()), timeout_of())
         self._is_instantiate = True  # the store rendezvous synchronised the members
 
     return instantiate

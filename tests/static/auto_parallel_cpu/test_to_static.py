@@ -42,6 +42,13 @@ def test_mp(pir):
         assert r["selected_programs"] == (1 if pir else 0)  # the executor's copy got the plugin's ops
 
 
+def test_every_context_waits_the_plugins_deadline():
+    # gloo's own default is 30 s; the run sets PADDLE_HYBRID_TIMEOUT=60
+    for layout, nprocs in (("mp", 2), ("dpmp", 4), ("pp-1F1B", 2)):
+        for r in run(layout, nprocs=nprocs):
+            assert r["deadlines_ms"] and set(r["deadlines_ms"]) == {60_000}, (layout, r["rank"], r["deadlines_ms"])
+
+
 @pytest.mark.parametrize("pir", [True, False], ids=["pir", "legacy_ir"])
 def test_dp_returns_each_ranks_loss(pir):
     results = run("dp", pir=pir)

@@ -14,7 +14,7 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hybrid  # noqa: F401  (installs the plugin)
-from paddle_hybrid.gloo import comm_contexts
+from paddle_hybrid.gloo import comm_contexts, context_timeout
 from paddle_hybrid.testing import save_result
 
 LAYOUT = os.environ["LAYOUT"]
@@ -179,7 +179,9 @@ def main():
     comm_contexts.flush_sends()
     save_result({"rank": dist.get_rank(), "losses": losses, "ref_losses": ref_losses, "params": params,
                  "ref_params": ref_local,
-                 "selected_programs": comm_contexts.selected()})
+                 "selected_programs": comm_contexts.selected(),
+                 "deadlines_ms": [context_timeout.get_comm_context_timeout_ms(address)
+                                  for address in comm_contexts.made.values()]})
 
 
 if __name__ == "__main__":
