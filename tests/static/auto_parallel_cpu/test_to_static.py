@@ -1,6 +1,6 @@
 """``dist.to_static`` trains on CPU over gloo equal to one process: MP, DP, dp x mp on 4 ranks (two
 groups per rank: each collective must run on its own group's gloo context), and pipelines across
-two meshes with FThenB, 1F1B and VPP; MP and DP under legacy IR too.  Every rank's losses and
+two meshes with FThenB, 1F1B and VPP, sharding stages 1-3 (AdamW); MP and DP under legacy IR too.  Every rank's losses and
 parameters (its local part) against the same model trained in one process from the same weights
 (float32 both; sums in another order: rtol 1e-5, atol 1e-6).
 
@@ -82,3 +82,15 @@ def test_pipeline(schedule):
         check_params(r)
     held = set(first["params"]) | set(last["params"])
     assert len(held) == 8 and not set(first["params"]) & set(last["params"])  # each stage its own blocks
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharding_stage(stage):
+    results = run(f"sharding{stage}")
+    for r in results:
+        assert {"pd_op.reduce_scatter", "pd_op.all_gather"} <= set(r["op_names"])  # the gloo kernels ran
+        check_params(r)
+    local = np.array([r["losses"] for r in results])
+    np.testing.assert_allclose(local.mean(axis=0), results[0]["ref_losses"], **TOL)
+    if stage == 3:  # parameters themselves split over the ranks
+        assert results[0]["params"]["blocks.0.fc.weight"].shape == (8, 32)

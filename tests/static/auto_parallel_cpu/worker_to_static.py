@@ -2,7 +2,8 @@
 
 LAYOUT (env): ``mp`` (1 x 2 mesh, column then row split), ``dp`` (batch split), ``dpmp`` (2 x 2
 mesh: dp x mp, two groups per rank), ``pp-FThenB`` / ``pp-1F1B`` (blocks 0-1 on rank 0, 2-3 on
-rank 1), ``pp-VPP`` (blocks alternate between the ranks: two chunks each).  Every rank also trains
+rank 1), ``pp-VPP`` (blocks alternate between the ranks: two chunks each), ``sharding1`` / ``2`` / ``3``
+(DP with ``dist.shard_optimizer`` and AdamW).  Every rank also trains
 the same model in one process (dygraph, the whole batch, no communication) from the same weights,
 for the test to compare with.  Saves: the losses ``dm(x, y)`` returned, the one-process losses,
 and this rank's parameters (local values) with the one-process parameters of the same names.
@@ -74,10 +75,17 @@ class Net(paddle.nn.Layer):
         return x
 
 
+def optimizer(parameters):
+    """SGD; AdamW for the sharding layouts (state to split over the ranks)."""
+    if LAYOUT.startswith("sharding"):
+        return paddle.optimizer.AdamW(0.01, parameters=parameters, weight_decay=0.01)
+    return paddle.optimizer.SGD(LR, parameters=parameters)
+
+
 def one_process():
     """The same training in this process alone: losses per step, parameters by name."""
     net = Net()
-    opt = paddle.optimizer.SGD(LR, parameters=net.parameters())
+    opt = optimizer(net.parameters())
     x, y = (paddle.to_tensor(a) for a in data())
     losses = []
     for _ in range(STEPS):
@@ -106,7 +114,7 @@ def build():
         net = Net()
         shard(net, mesh, [([s1], [s0]), ([s0], [r]), ([s1], [s0]), ([s0], [r])])
         meshes, dims = [mesh], None
-    elif LAYOUT == "dp":
+    elif LAYOUT == "dp" or LAYOUT.startswith("sharding"):
         mesh = dist.ProcessMesh(list(range(world)), dim_names=["x"])
         net = Net()
         shard(net, mesh, [([r], [r])] * 4)
@@ -163,7 +171,10 @@ def local_part(value, full):
 def main():
     ref_losses, ref_params = one_process()
     net, loader, strategy = build()
-    opt = paddle.optimizer.SGD(LR, parameters=net.parameters())
+    opt = optimizer(net.parameters())
+    if LAYOUT.startswith("sharding"):  # sharding<stage>: the optimizer's state and updates split over the ranks
+        stage = {"1": dist.ShardingStage1, "2": dist.ShardingStage2, "3": dist.ShardingStage3}[LAYOUT[-1]]
+        opt = dist.shard_optimizer(opt, stage("x", dist.ProcessMesh(list(range(dist.get_world_size())), dim_names=["x"])))
     dm = dist.to_static(net, loader, paddle.nn.MSELoss(), opt, strategy=strategy)
     dm.train()
     losses = []
@@ -176,10 +187,12 @@ def main():
         part = local_part(value, ref_params[name])
         if part is not None:
             params[name], ref_local[name] = local(value), part
+    op_names = sorted({op.name() if callable(getattr(op, "name", None)) else op.type  # PIR, legacy IR
+                       for op in dm.dist_main_program().global_block().ops})
     comm_contexts.flush_sends()
     save_result({"rank": dist.get_rank(), "losses": losses, "ref_losses": ref_losses, "params": params,
                  "ref_params": ref_local,
-                 "selected_programs": comm_contexts.selected(),
+                 "selected_programs": comm_contexts.selected(), "op_names": op_names,
                  "deadlines_ms": [context_timeout.get_comm_context_timeout_ms(address)
                                   for address in comm_contexts.made.values()]})
 
