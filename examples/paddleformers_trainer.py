@@ -19,7 +19,8 @@ seed), then train from it in any layout:
 Other model families of PaddleFormers: ``write-tiny-model PATH --family ernie4_5`` (``llama``,
 ``ernie4_5``, ``phi3``, ``gpt_oss``, ``gemma3_text``, ``deepseek_v3``, ``qwen3``): the same tiny
 sizes; the model is loaded through PaddleFormers' ``AutoModelForCausalLM`` (``...Pipe`` with a
-pipeline), as a user's script would.
+pipeline), as a user's script would.  ``--untied``: an output layer of its own instead of the
+embedding's (``tie_word_embeddings=False``).
 
 Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length`` and
 ``--num_samples`` (:class:`ModelDataArguments`).  Saving (``--save_steps``) writes the Trainer's
@@ -76,7 +77,7 @@ def cpu_model_settings() -> dict:
                 fuse_swiglu=False, use_fused_head_and_loss_fn=False, _attn_implementation="sdpa")
 
 
-def write_tiny_model(path: str, seed: int = 42, family: str = "llama") -> None:
+def write_tiny_model(path: str, seed: int = 42, family: str = "llama", tie_embeddings: bool = True) -> None:
     """A random-init one-process model of ``family`` saved with ``save_pretrained``: the
     "pretrained" model every layout starts from, so every layout starts from the same weights."""
     import importlib
@@ -90,6 +91,8 @@ def write_tiny_model(path: str, seed: int = 42, family: str = "llama") -> None:
     paddle.set_device("cpu")
     paddle.seed(seed)
     settings = {**TINY, "dtype": "float32", "pad_token_id": None, **cpu_model_settings(), **own}
+    if not tie_embeddings:
+        settings["tie_word_embeddings"] = False
     config = getattr(classes, config_name)(**settings)
     getattr(classes, model_name)(config).save_pretrained(path)
     print(f"wrote a tiny random-init {family} (seed {seed}) to {path}")
@@ -168,7 +171,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["write-tiny-model"]:
         family = argv[argv.index("--family") + 1] if "--family" in argv else "llama"
-        write_tiny_model(argv[1], family=family)
+        write_tiny_model(argv[1], family=family, tie_embeddings="--untied" not in argv)
         return
     import paddle
     import paddle_hybrid  # noqa: F401  (gloo collectives and the CPU fixes; the launcher imports it too)

@@ -26,7 +26,9 @@ each named here:
    ``tests/dygraph/sharding_fused_comm``): active with its two replaced methods where the device
    rule lets it act (a CPU build; a CUDA build that opts in), off with the rule's words elsewhere
    (:func:`_sharding_fused_comm`).
-5. ``auto_parallel_cpu`` (issue 34) replaces two methods of Paddle's executor more (the
+5. ``fleet_fixes`` (issue 34) keeps the order of a loader's batch sampler (``ShardDataloader``,
+   ``DataLoader``) and mends fused FSDP's gradients (3.3 only) (:data:`ORDER_AND_FSDP_PATCHES`);
+   ``auto_parallel_cpu`` (issue 34) replaces two methods of Paddle's executor more (the
    executor's copy of a CPU PIR program gets a comm context per collective and gloo sends/receives:
    ``tests/static/auto_parallel_cpu/test_to_static.py``) (:data:`AUTO_PARALLEL_PATCHES`).
 
@@ -78,6 +80,12 @@ SHARDING_FUSED_PATCHES = {  # change 4
      "DygraphShardingOptimizer._sharding_sync_parameters", "_make_sync_parameters.<locals>._sharding_sync_parameters"),
 }
 
+# change 5 (issue 34): fleet_fixes keeps the loaders' order and mends fused FSDP (Paddle 3.3 only:
+# 3.2 has no fused FSDP)
+ORDER_AND_FSDP_PATCHES = {("fleet_fixes", owner, attr, f"{owner}.{attr}", f"{owner}.{attr}") for owner, attr in (
+    ("ShardDataloader", "__init__"), ("DataLoader", "__init__"),
+    *([("FullyShardFusion", "comm_sync_and_reset_status"), ("TensorFusionBuffer", "get_tmp_buffer")]
+      if paddle.__version__.startswith("3.3.") else []))}
 AUTO_PARALLEL_PATCHES = {  # change 5
     ("auto_parallel_cpu", "_ExecutorCache", "_get_pir_program_and_executor",
      "_ExecutorCache._get_pir_program_and_executor", "_ExecutorCache._get_pir_program_and_executor"),
@@ -154,6 +162,11 @@ def _expected(before_case):
             patches |= {(component, owner, attr, attr, attr) for owner, attr in added}
             count = int(re.match(r"active: (\d+)", comps[component]).group(1))
             comps[component] = comps[component].replace(f"active: {count} ", f"active: {count + len(added)} ", 1)
+    if any(p[0] == "fleet_fixes" for p in patches):  # change 5
+        patches |= ORDER_AND_FSDP_PATCHES
+        count = int(re.match(r"active: (\d+)", comps["fleet_fixes"]).group(1))
+        comps["fleet_fixes"] = comps["fleet_fixes"].replace(
+            f"active: {count} ", f"active: {count + len(ORDER_AND_FSDP_PATCHES)} ", 1)
     if any(p[0] == "auto_parallel_cpu" for p in patches):  # change 5
         patches |= AUTO_PARALLEL_PATCHES
         count = int(re.match(r"active: (\d+)", comps["auto_parallel_cpu"]).group(1))

@@ -18,6 +18,8 @@ fix                      what it mends (details in the module's docstring)
 :mod:`.families`         GPT-OSS and Gemma3 under tensor parallelism train wrong
                          (refused); Qwen's and the MoE models' GPU-only imports
                          (paddlefleet, paddlefleet_ops) named with what to do on CPU
+:mod:`.auto_grad_accumulation`  ``--enable_auto_parallel 1`` with gradient accumulation
+                         sums the micro-batches' gradients (fleet averages them)
 :mod:`.pipe_models`      the generic pipeline model: ERNIE-4.5's default segmentation
                          names a class it never builds (fixed); sliding-window
                          attention dropped, eager attention without a causal mask
@@ -70,9 +72,10 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
                       f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
                       f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
         return
-    from . import flex_checkpoint_load, grad_norm_hook, trainer_resume, trainer_start
+    from . import auto_grad_accumulation, flex_checkpoint_load, grad_norm_hook, trainer_resume, trainer_start
 
     grad_norm_hook.fix(patcher, trainer_module)
+    auto_grad_accumulation.fix(patcher, trainer_module)
     flex_checkpoint_load.fix(patcher, trainer_module)
     trainer_resume.fix(patcher, trainer_module)
     trainer_start.fix(patcher, trainer_module)  # cpu_precision and recompute_flags
