@@ -27,7 +27,8 @@ each named here:
    rule lets it act (a CPU build; a CUDA build that opts in), off with the rule's words elsewhere
    (:func:`_sharding_fused_comm`).
 5. ``fleet_fixes`` (issue 34) keeps the order of a loader's batch sampler (``ShardDataloader``,
-   ``DataLoader``) and mends fused FSDP's gradients (3.3 only) (:data:`ORDER_AND_FSDP_PATCHES`);
+   ``DataLoader``), mends fused FSDP's gradients (3.3 only) and refuses a pipeline without its
+   degree (``engine.pipeline_pass``) (:data:`ORDER_AND_FSDP_PATCHES`);
    ``auto_parallel_cpu`` (issue 34) replaces two methods of Paddle's executor more (the
    executor's copy of a CPU PIR program gets a comm context per collective and gloo sends/receives:
    ``tests/static/auto_parallel_cpu/test_to_static.py``) (:data:`AUTO_PARALLEL_PATCHES`).
@@ -82,7 +83,8 @@ SHARDING_FUSED_PATCHES = {  # change 4
 
 # change 5 (issue 34): fleet_fixes keeps the loaders' order and mends fused FSDP (Paddle 3.3 only:
 # 3.2 has no fused FSDP)
-ORDER_AND_FSDP_PATCHES = {("fleet_fixes", owner, attr, f"{owner}.{attr}", f"{owner}.{attr}") for owner, attr in (
+ORDER_AND_FSDP_PATCHES = {("fleet_fixes", "engine", "pipeline_pass", "pipeline_pass", "pipeline_pass")} | {
+    ("fleet_fixes", owner, attr, f"{owner}.{attr}", f"{owner}.{attr}") for owner, attr in (
     ("ShardDataloader", "__init__"), ("DataLoader", "__init__"),
     *([("FullyShardFusion", "comm_sync_and_reset_status"), ("TensorFusionBuffer", "get_tmp_buffer")]
       if paddle.__version__.startswith("3.3.") else []))}

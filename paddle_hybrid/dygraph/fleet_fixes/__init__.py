@@ -34,6 +34,8 @@ fix                               what it fixes (details in the module docstring
                                   auto-parallel Trainer read unshuffled data)
 :mod:`.fsdp_grad_average`         ``fsdp.fully_shard`` (auto parallel) sums the
                                   ranks' gradients: n times the mean
+:mod:`.pipeline_degree`           a ``to_static`` pipeline left at ``pp_degree``
+                                  1 waits forever (now an error naming it)
 ================================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -43,16 +45,16 @@ from __future__ import annotations
 
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
-from . import (fsdp_grad_average, moe_empty_experts, moe_scatter_grad, no_pipeline_dp, one_process_model, process_mesh_numpy2,
+from . import (fsdp_grad_average, moe_empty_experts, pipeline_degree, moe_scatter_grad, no_pipeline_dp, one_process_model, process_mesh_numpy2,
                shard_dataloader_order,
                sharding_v2_grads, shared_weight_norm, stage3_param_groups, tied_optimizer_state, uneven_reshard,
-               view_dtype_offset, shard_dataloader_order, fsdp_grad_average)
+               view_dtype_offset, shard_dataloader_order, fsdp_grad_average, pipeline_degree)
 
 __all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
 
 FIXES = (shared_weight_norm, no_pipeline_dp, sharding_v2_grads, stage3_param_groups, moe_scatter_grad,
          moe_empty_experts, tied_optimizer_state, process_mesh_numpy2, uneven_reshard, one_process_model,
-         view_dtype_offset, shard_dataloader_order, fsdp_grad_average)
+         view_dtype_offset, shard_dataloader_order, fsdp_grad_average, pipeline_degree)
 
 
 def apply(config, patcher: Patcher) -> None:

@@ -14,15 +14,15 @@ import os
 import numpy as np
 import pytest
 
-from paddle_hybrid.testing import launch
+from paddle_hybrid.testing import LaunchError, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 @functools.lru_cache(maxsize=None)
-def run(layout, nprocs=2, pir=True):
-    env = {"LAYOUT": layout, "PADDLE_HYBRID_TIMEOUT": "60"}
+def run(layout, nprocs=2, pir=True, extra=()):
+    env = {"LAYOUT": layout, "PADDLE_HYBRID_TIMEOUT": "60", **dict(extra)}
     if not pir:
         env["FLAGS_enable_pir_api"] = "0"
     return launch(os.path.join(HERE, "worker_to_static.py"), nprocs=nprocs, timeout=240, env=env)
@@ -94,3 +94,10 @@ def test_sharding_stage(stage):
     np.testing.assert_allclose(local.mean(axis=0), results[0]["ref_losses"], **TOL)
     if stage == 3:  # parameters themselves split over the ranks
         assert results[0]["params"]["blocks.0.fc.weight"].shape == (8, 32)
+
+
+def test_pipeline_without_its_degree_is_refused_at_once():
+    # Paddle derives the stages from pp_degree; left at 1 the ranks waited for each other until
+    # the timeout (60 s here) and gloo named a receive.
+    with pytest.raises(LaunchError, match="strategy.pipeline.pp_degree is 1"):
+        run("pp-1F1B", extra=(("PP_DEGREE_UNSET", "1"),))

@@ -134,7 +134,7 @@ def build():
             block.fc.bias = dist.shard_tensor(block.fc.bias, mesh, [r])
         strategy.pipeline.enable = True
         strategy.pipeline.schedule_mode = schedule
-        strategy.pipeline.pp_degree = 2
+        strategy.pipeline.pp_degree = 1 if os.environ.get("PP_DEGREE_UNSET") else 2
         strategy.pipeline.accumulate_steps = ACC
         strategy.pipeline.micro_batch_size = BATCH // ACC
         if schedule == "VPP":
