@@ -83,7 +83,8 @@ SHARDING_FUSED_PATCHES = {  # change 4
 
 # change 5 (issue 34): fleet_fixes keeps the loaders' order and mends fused FSDP (Paddle 3.3 only:
 # 3.2 has no fused FSDP)
-ORDER_AND_FSDP_PATCHES = {("fleet_fixes", "engine", "pipeline_pass", "pipeline_pass", "pipeline_pass")} | {
+ORDER_AND_FSDP_PATCHES = {("fleet_fixes", "paddle.distributed.auto_parallel.static.engine", "pipeline_pass", "pipeline_pass",
+                           "pipeline_pass")} | {
     ("fleet_fixes", owner, attr, f"{owner}.{attr}", f"{owner}.{attr}") for owner, attr in (
     ("ShardDataloader", "__init__"), ("DataLoader", "__init__"),
     *([("FullyShardFusion", "comm_sync_and_reset_status"), ("TensorFusionBuffer", "get_tmp_buffer")]
