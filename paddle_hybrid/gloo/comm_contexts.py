@@ -135,7 +135,7 @@ def _check_same_group(group_id: int, ranks: list, world_ranks: list) -> None:
 # -- selecting contexts ----------------------------------------------------------------------
 
 def _collectives(block) -> list:
-    """Every op of ``block`` and its sub-blocks that names a ring (and is not a ``ph_use_ring``)."""
+    """Every op of ``block`` and its sub-blocks that names a ring (the plugin's own ops aside)."""
     found = []
     for op in block.ops:
         for region_block in _sub_blocks(op):
