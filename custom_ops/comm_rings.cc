@@ -4,14 +4,16 @@
 // comm context from the device context it is given.  On CPU every instruction is given the one
 // shared CPU device context, and Paddle's executor sets that context's comm context only while
 // it has none (`SetDeviceCommContext`): the first group a program uses would serve every later
-// collective, whatever its ring.  `paddle_hybrid.static.comm_rings` puts a `ph_use_ring` before
+// collective, whatever its ring.  `paddle_hybrid.gloo.comm_contexts` puts a `ph_use_ring` before
 // each collective; it points the shared CPU context at the comm context of its `ring_id` (the one
 // `CommContextManager` holds under that key), right before the collective runs.  It carries a
 // `ring_id` attribute, so Paddle's executor orders it among the communication ops in program
 // order: nothing runs between it and its collective that could move the context.
 //
-// The kernel is in place and reads no data: its input only anchors it in the program.  A ring
-// this process holds no comm context for is left alone (the collective behaves as without it).
+// The kernel is in place and reads no data: its input only anchors it in the program.  For a ring
+// this process holds no comm context for (an op that names a ring but communicates nothing), the
+// shared context is left with none: a collective that needs one then fails loudly instead of
+// running on the previous collective's group.
 //
 // `ph_comm_context_has` answers from Python whether a key is taken (Paddle's Python binding of
 // the manager has no such call): a group made twice under one key raises AlreadyExists.
@@ -32,10 +34,8 @@ void UseRing(const paddle::Tensor& x, int ring_id) {
   PD_CHECK(x.is_cpu(), "ph_use_ring: runs on CPU only (got a tensor on another place).");
   auto& manager = phi::distributed::CommContextManager::GetInstance();
   const std::string key = std::to_string(ring_id);
-  // A ring with no context here (an op that names a ring but communicates nothing, a one-rank
-  // group): the collective runs as it would without this op.
-  if (!manager.Has(key)) return;
-  paddle::experimental::DeviceContextPool::Instance().GetMutable(phi::CPUPlace())->SetCommContext(manager.Get(key));
+  phi::DeviceContext* shared = paddle::experimental::DeviceContextPool::Instance().GetMutable(phi::CPUPlace());
+  shared->SetCommContext(manager.Has(key) ? manager.Get(key) : nullptr);
 }
 
 void PhUseRingKernel(paddle::Tensor& x, int ring_id) {  // NOLINT

@@ -380,6 +380,14 @@ const CPUContext& CpuContext() {
   return *static_cast<const CPUContext*>(paddle::experimental::DeviceContextPool::Instance().Get(phi::CPUPlace()));
 }
 
+// Who a failed exchange waited for, and the setting that bounds the wait (the ring's gloo context
+// waits what paddle_hybrid set on it when the group was made).
+std::string PeerWords(int ring_id, GlooCommContext* comm, int peer, const char* what) {
+  return std::string(what) + " ring rank " + std::to_string(peer) + " of ring " + std::to_string(ring_id) +
+         " (this process is ring rank " + std::to_string(comm->GetRank()) + " of " + std::to_string(comm->GetSize()) +
+         "; the wait is PADDLE_HYBRID_TIMEOUT, or PADDLE_HYBRID_STATIC_PIPELINE_TIMEOUT when set)";
+}
+
 // A ring's sends, in order, on a thread of their own.  A pipeline schedule posts a send and
 // goes on (on a GPU it only enqueues it on a stream): 1F1B's last stage receives microbatch i + 1
 // before it sends the gradient of i, while the first stage receives that gradient before it
@@ -388,7 +396,7 @@ const CPUContext& CpuContext() {
 // send on any ring, or by `ph_p2p_flush`.
 class RingSender {
  public:
-  explicit RingSender(GlooCommContext* comm) : comm_(comm), thread_([this] { Loop(); }) {}
+  RingSender(GlooCommContext* comm, int ring_id) : comm_(comm), ring_id_(ring_id), thread_([this] { Loop(); }) {}
   ~RingSender() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -435,7 +443,7 @@ class RingSender {
       try {
         GlooSend(comm_, CpuContext(), *item.tensor, item.peer, item.dynamic_shape);
       } catch (const std::exception& e) {
-        RecordError(std::string("a send to peer ") + std::to_string(item.peer) + ": " + e.what());
+        RecordError(PeerWords(ring_id_, comm_, item.peer, "a send to") + ": " + e.what());
       }
       item.tensor.reset();
       lock.lock();
@@ -445,6 +453,7 @@ class RingSender {
   }
 
   GlooCommContext* comm_;
+  int ring_id_;
   std::mutex mu_;
   std::condition_variable wake_, idle_;
   std::deque<Item> queue_;
@@ -482,10 +491,10 @@ std::map<GlooCommContext*, std::unique_ptr<RingSender>>& Senders() {
   return *senders;  // its threads may outlive static destruction at exit
 }
 
-RingSender& SenderOf(GlooCommContext* comm) {
+RingSender& SenderOf(GlooCommContext* comm, int ring_id) {
   std::lock_guard<std::mutex> lock(SendersMutex());
   auto& sender = Senders()[comm];
-  if (!sender) sender = std::make_unique<RingSender>(comm);
+  if (!sender) sender = std::make_unique<RingSender>(comm, ring_id);
   return *sender;
 }
 
@@ -507,8 +516,8 @@ void PhSendV2Kernel(paddle::Tensor& x, int ring_id, int peer, bool dynamic_shape
     PD_CHECK(x.is_cpu() && x.is_dense_tensor(), "ph_send_v2: a dense CPU tensor is needed.");
     Count("SendV2");
     RingSender::RaiseError();
-    SenderOf(RingGloo(ring_id, "ph_send_v2")).Post(*static_cast<const DenseTensor*>(x.impl().get()), peer,
-                                                   dynamic_shape);
+    SenderOf(RingGloo(ring_id, "ph_send_v2"), ring_id)
+        .Post(*static_cast<const DenseTensor*>(x.impl().get()), peer, dynamic_shape);
   });
 }
 
@@ -518,7 +527,12 @@ std::vector<paddle::Tensor> PhRecvV2Kernel(const paddle::Tensor& like, int ring_
     PD_CHECK(like.is_cpu(), "ph_recv_v2: runs on CPU only.");
     Count("RecvV2");
     auto out = std::make_shared<DenseTensor>();
-    GlooRecv(RingGloo(ring_id, "ph_recv_v2"), CpuContext(), peer, like.dtype(), out_shape, dynamic_shape, out.get());
+    GlooCommContext* comm = RingGloo(ring_id, "ph_recv_v2");
+    try {
+      GlooRecv(comm, CpuContext(), peer, like.dtype(), out_shape, dynamic_shape, out.get());
+    } catch (const std::exception& e) {
+      PD_THROW(PeerWords(ring_id, comm, peer, "a receive from"), ": ", e.what());
+    }
     return std::vector<paddle::Tensor>{paddle::Tensor(out)};
   });
 }

@@ -17,7 +17,7 @@ the scheme makes it a view again (how it does that is its own business).
 """
 from __future__ import annotations
 
-__all__ = ["current_grad", "points_at", "refill", "zero_in_place", "zero_grad_in_place"]
+__all__ = ["current_grad", "divide_fused_fsdp_grads", "points_at", "refill", "zero_in_place", "zero_grad_in_place"]
 
 
 def current_grad(param, main_grad: bool = False):
@@ -64,3 +64,16 @@ def zero_grad_in_place(param) -> None:
     """Zero ``param.grad`` in place, keeping the tensor (and so any buffer it is a view of);
     unlike ``param.clear_gradient()`` the next backward accumulates into it."""
     zero_in_place([current_grad(param)])
+
+
+def divide_fused_fsdp_grads(fsdp, divisor: float) -> None:
+    """Divide the gradients Paddle's fused FSDP (``FullyShardFusion``) holds for the optimizer by
+    ``divisor``: its pending reduce-scatters are completed first, then every trainable group's
+    fused gradient buffer is scaled in place (the optimizer reads those buffers, not ``.grad``)."""
+    import paddle
+
+    fsdp.comm_manager.finish_grads_sync()
+    with paddle.no_grad():
+        for group in fsdp.comm_manager.buffer_manager.buffer_groups:
+            if group.grads_buffer is not None and group.params_buffer.trainable:
+                group.grads_buffer.data_buffer.scale_(1.0 / divisor)

@@ -17,7 +17,9 @@ Two things a static program's collectives need on a CPU build, whichever of flee
   none (``interpreter::SetDeviceCommContext``): the first group used would serve every later
   collective, whatever its ring.  :func:`select_rings` puts a ``ph_use_ring`` op (plugin's C++,
   ``custom_ops/comm_rings.cc``) before every op with a ``ring_id`` attribute; it points the
-  shared context at its ring's comm context right before the collective runs.  The op carries a
+  shared context at its ring's comm context right before the collective runs (at none, for a
+  ring this process has no context for: such a collective then fails instead of running on
+  another group).  The op carries a
   ``ring_id`` too, so the executor orders it among the communication ops in program order.
   :func:`apply` does this to the executor's own copy of every PIR program it is about to run on a
   CPU place (``_StandaloneExecutor``), so a user's program is never changed.
@@ -56,6 +58,7 @@ class CommContextConflict(RuntimeError):
     """A group's comm-context key is taken by another group."""
 
 
+@functools.lru_cache(maxsize=None)
 def _library():
     from .. import ops
 
@@ -64,6 +67,7 @@ def _library():
     library.ph_comm_context_has.restype = ctypes.c_int
     library.ph_comm_context.argtypes = [ctypes.c_char_p]
     library.ph_comm_context.restype = ctypes.c_void_p
+    library.ph_p2p_flush.argtypes = [ctypes.c_char_p, ctypes.c_int]
     return library
 
 
@@ -153,8 +157,9 @@ def _sub_blocks(op) -> list:
 def select_rings(program) -> int:
     """Make the collectives of the PIR ``program`` (in place) run on their own ring's comm context:
     each ``send_v2`` / ``recv_v2`` becomes a ``ph_send_v2`` / ``ph_recv_v2`` (which name their ring
-    themselves), and a ``ph_use_ring`` goes before every other op that names a ring.  Returns how
-    many ops were changed or preceded; a program already done is left as it is."""
+    themselves), and a ``ph_use_ring`` goes before every other op that names a ring; the pipeline
+    pass's cross-job events are dropped (see ``_CROSS_JOB_EVENT_ATTRS``).  Returns how many ops were
+    changed or preceded; a program already done is left as it is."""
     import paddle
     from paddle import pir
 
@@ -236,7 +241,6 @@ def flush_sends() -> None:
     GPU's stream would); raises the first error of one.  Registered at exit: a last stage's
     final gradient send must reach its peer before the process ends."""
     library = _library()
-    library.ph_p2p_flush.argtypes = [ctypes.c_char_p, ctypes.c_int]
     error = ctypes.create_string_buffer(4096)
     if library.ph_p2p_flush(error, len(error)) != 0:
         raise RuntimeError(error.value.decode(errors="replace"))

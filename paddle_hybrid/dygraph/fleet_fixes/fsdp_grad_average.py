@@ -28,19 +28,9 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["apply", "average_fused_grads"]
+from ...common.grad_tools import divide_fused_fsdp_grads
 
-
-def average_fused_grads(fsdp, divisor: float) -> None:
-    """Complete ``fsdp``'s pending gradient reduce-scatters, then divide every trainable group's
-    fused gradient buffer by ``divisor``."""
-    import paddle
-
-    fsdp.comm_manager.finish_grads_sync()
-    with paddle.no_grad():
-        for group in fsdp.comm_manager.buffer_manager.buffer_groups:
-            if group.grads_buffer is not None and group.params_buffer.trainable:
-                group.grads_buffer.data_buffer.scale_(1.0 / divisor)
+__all__ = ["apply"]
 
 
 def _make_sync(original):
@@ -48,7 +38,7 @@ def _make_sync(original):
     def comm_sync_and_reset_status(self):
         nranks = self.comm_manager.buffer_manager._fsdp_group.nranks
         if nranks > 1:
-            average_fused_grads(self, nranks)
+            divide_fused_fsdp_grads(self, nranks)
         return original(self)
 
     return comm_sync_and_reset_status

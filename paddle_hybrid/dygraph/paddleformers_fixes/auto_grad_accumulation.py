@@ -15,21 +15,27 @@ The auto-parallel Trainer keeps its gradients in the fused buffers of Paddle's `
 
 Fix: ``Trainer.optimizer_step`` in auto-parallel mode with k > 1 first divides each gradient by k,
 as the fleet path does just before the same call: the fused buffers where ``fully_shard`` holds
-them (its pending reduce-scatters completed first), else each parameter's gradient.
+them (its pending reduce-scatters completed first).  Gradients anywhere else (not 1.2's Trainer)
+are an error naming the switch, not a guess.
 """
 from __future__ import annotations
 
 import functools
 
+from ...common.grad_tools import divide_fused_fsdp_grads
+
 __all__ = ["fix"]
 
 
-def _average(model, steps: int) -> None:
+def _average(steps: int) -> None:
     fsdp = _fsdp_context()
-    if fsdp is not None:
-        _divide_fused(fsdp, steps)
-    else:
-        _divide_own(model, steps)
+    if fsdp is None:  # PaddleFormers 1.2 wraps every auto-parallel model in fully_shard
+        raise RuntimeError(
+            "paddle_hybrid.dygraph.paddleformers_fixes: the auto-parallel Trainer's gradients are not in Paddle's "
+            "fused FSDP buffers, where PaddleFormers 1.2 keeps them; this Trainer differs and its accumulated "
+            "gradients cannot be averaged here. Set PADDLE_HYBRID_PADDLEFORMERS_FIXES=0 to run without the fixes "
+            "(accumulated gradients are then summed), or --gradient_accumulation_steps 1.")
+    divide_fused_fsdp_grads(fsdp, steps)
 
 
 def _fsdp_context():
@@ -40,37 +46,11 @@ def _fsdp_context():
     return get_fsdp_context()
 
 
-def _divide_fused(fsdp, steps: int) -> None:
-    """The fused gradient buffers, once their pending reduce-scatters completed."""
-    import paddle
-
-    fsdp.comm_manager.finish_grads_sync()
-    with paddle.no_grad():
-        for group in fsdp.comm_manager.buffer_manager.buffer_groups:
-            if group.grads_buffer is not None and group.params_buffer.trainable:
-                group.grads_buffer.data_buffer.scale_(1.0 / steps)
-
-
-def _divide_own(model, steps: int) -> None:
-    """Each parameter's gradient (``main_grad`` where there is one), where its values are."""
-    import paddle
-
-    parameters = model._layers.parameters() if hasattr(model, "_layers") else model.parameters()
-    with paddle.no_grad():
-        for p in parameters:
-            grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-            if grad is None:
-                continue
-            local = grad._local_value() if grad.is_dist() else grad  # any placement scales with its part
-            if local._is_initialized():
-                local.scale_(1.0 / steps)
-
-
 def _make_optimizer_step(stock):
     @functools.wraps(stock)
     def optimizer_step(self, args, model, parameters_list=None):
         if args.enable_auto_parallel and args.gradient_accumulation_steps > 1 and not args.freeze_training:
-            _average(model, args.gradient_accumulation_steps)
+            _average(args.gradient_accumulation_steps)
         return stock(self, args, model, parameters_list)
 
     return optimizer_step
