@@ -34,8 +34,9 @@ fix                               what it fixes (details in the module docstring
                                   auto-parallel Trainer read unshuffled data)
 :mod:`.fsdp_grad_average`         ``fsdp.fully_shard`` (auto parallel) sums the
                                   ranks' gradients: n times the mean
-:mod:`.pipeline_degree`           a ``to_static`` pipeline left at ``pp_degree``
-                                  1 waits forever (now an error naming it)
+:mod:`.pipeline_degree`           a ``to_static`` 1F1B / VPP pipeline left at
+                                  ``pp_degree`` 1 waits forever (now an error
+                                  naming it)
 ================================  ===============================================
 
 When: ``PluginConfig.fleet_fixes`` (``PADDLE_HYBRID_FLEET_FIXES``, default on).  Written
@@ -45,10 +46,9 @@ from __future__ import annotations
 
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
-from . import (fsdp_grad_average, moe_empty_experts, pipeline_degree, moe_scatter_grad, no_pipeline_dp, one_process_model, process_mesh_numpy2,
-               shard_dataloader_order,
-               sharding_v2_grads, shared_weight_norm, stage3_param_groups, tied_optimizer_state, uneven_reshard,
-               view_dtype_offset, shard_dataloader_order, fsdp_grad_average, pipeline_degree)
+from . import (fsdp_grad_average, moe_empty_experts, moe_scatter_grad, no_pipeline_dp, one_process_model,
+               pipeline_degree, process_mesh_numpy2, shard_dataloader_order, sharding_v2_grads, shared_weight_norm,
+               stage3_param_groups, tied_optimizer_state, uneven_reshard, view_dtype_offset)
 
 __all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
 

@@ -39,7 +39,7 @@ def test_mp(pir):
     for r in run("mp", pir=pir):
         np.testing.assert_allclose(r["losses"], r["ref_losses"], **TOL)
         check_params(r)
-        assert r["selected_programs"] == (1 if pir else 0)  # the executor's copy got the plugin's ops
+        assert r["selected_programs"] == (2 if pir else 0)  # the executor's copies (train, eval) got the plugin's ops
 
 
 def test_every_context_waits_the_plugins_deadline():
@@ -96,8 +96,29 @@ def test_sharding_stage(stage):
         assert results[0]["params"]["blocks.0.fc.weight"].shape == (8, 32)
 
 
-def test_pipeline_without_its_degree_is_refused_at_once():
+def test_1f1b_without_its_degree_is_refused_at_once():
     # Paddle derives the stages from pp_degree; left at 1 the ranks waited for each other until
     # the timeout (60 s here) and gloo named a receive.
     with pytest.raises(LaunchError, match="strategy.pipeline.pp_degree is 1"):
         run("pp-1F1B", extra=(("PP_DEGREE_UNSET", "1"),))
+
+
+def test_fthenb_without_its_degree_trains():
+    # FThenB's job order is the same on every stage, so Paddle's own tests leave pp_degree at 1;
+    # refusing it (as this plugin first did) stopped a pipeline that trains right.
+    first, last = run("pp-FThenB", extra=(("PP_DEGREE_UNSET", "1"),))
+    np.testing.assert_allclose(np.array(last["losses"]).mean(axis=1), last["ref_losses"], **TOL)
+    for r in (first, last):
+        check_params(r)
+
+
+@pytest.mark.parametrize("layout", ["mp", "dp"])
+def test_eval_mode_after_training(layout):
+    # dm.eval(): the loss of the trained weights, no update (two calls give the same value)
+    results = run(layout)
+    for r in results:
+        assert len(r["eval_losses"]) == 2 and r["eval_losses"][0] == r["eval_losses"][1], r["eval_losses"]
+    evals = [r["eval_losses"][0] for r in results]
+    if layout == "mp":  # the output is whole on both ranks
+        assert evals[0] == evals[1]
+    np.testing.assert_allclose(np.mean(evals), results[0]["ref_eval_loss"], **TOL)

@@ -6,7 +6,9 @@ rank 1), ``pp-VPP`` (blocks alternate between the ranks: two chunks each), ``sha
 (DP with ``dist.shard_optimizer`` and AdamW).  Every rank also trains
 the same model in one process (dygraph, the whole batch, no communication) from the same weights,
 for the test to compare with.  Saves: the losses ``dm(x, y)`` returned, the one-process losses,
-and this rank's parameters (local values) with the one-process parameters of the same names.
+and this rank's parameters (local values) with the one-process parameters of the same names; for
+``mp`` and ``dp`` also the losses of two ``dm.eval()`` calls after training, with the one-process loss
+of the trained weights.
 """
 import os
 
@@ -94,7 +96,9 @@ def one_process():
         opt.step()
         opt.clear_grad()
         losses.append(float(loss))
-    return losses, {name: p.numpy() for name, p in net.named_parameters()}
+    with paddle.no_grad():
+        eval_loss = float(paddle.nn.functional.mse_loss(net(x), y))
+    return losses, {name: p.numpy() for name, p in net.named_parameters()}, eval_loss
 
 
 def shard(net, mesh, placements_by_block):
@@ -169,7 +173,7 @@ def local_part(value, full):
 
 
 def main():
-    ref_losses, ref_params = one_process()
+    ref_losses, ref_params, ref_eval_loss = one_process()
     net, loader, strategy = build()
     opt = optimizer(net.parameters())
     if LAYOUT.startswith("sharding"):  # sharding<stage>: the optimizer's state and updates split over the ranks
@@ -182,6 +186,12 @@ def main():
         for x, y in loader():
             loss = dm(x, y)
             losses.append(None if loss is None else np.array(loss, dtype="float64").tolist())
+    eval_losses = []
+    if LAYOUT in ("mp", "dp"):  # eval mode: the loss of the trained weights, no update
+        dm.eval()
+        for _ in range(2):
+            for x, y in loader():
+                eval_losses.append(float(np.array(dm(x, y))))
     params, ref_local = {}, {}
     for name, value in dm.state_dict("param").items():
         part = local_part(value, ref_params[name])
@@ -191,6 +201,7 @@ def main():
                        for op in dm.dist_main_program().global_block().ops})
     comm_contexts.flush_sends()
     save_result({"rank": dist.get_rank(), "losses": losses, "ref_losses": ref_losses, "params": params,
+                 "eval_losses": eval_losses, "ref_eval_loss": ref_eval_loss,
                  "ref_params": ref_local,
                  "selected_programs": comm_contexts.selected(), "op_names": op_names,
                  "deadlines_ms": [context_timeout.get_comm_context_timeout_ms(address)
