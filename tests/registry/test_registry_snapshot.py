@@ -89,6 +89,9 @@ ORDER_AND_FSDP_PATCHES = {("fleet_fixes", "paddle.distributed.auto_parallel.stat
     ("ShardDataloader", "__init__"), ("DataLoader", "__init__"),
     *([("FullyShardFusion", "comm_sync_and_reset_status"), ("TensorFusionBuffer", "get_tmp_buffer")]
       if paddle.__version__.startswith("3.3.") else []))}
+# change 6 (issue 34): fused FSDP converts a parameter two layers share once (Paddle 3.3 only)
+ORDER_AND_FSDP_PATCHES |= {("fleet_fixes", "FullyShardFusion", "_shard_all_params", "FullyShardFusion._shard_all_params",
+                            "_shard_all_params")} if paddle.__version__.startswith("3.3.") else set()
 AUTO_PARALLEL_PATCHES = {  # change 5
     ("auto_parallel_cpu", "_ExecutorCache", "_get_pir_program_and_executor",
      "_ExecutorCache._get_pir_program_and_executor", "_ExecutorCache._get_pir_program_and_executor"),

@@ -20,6 +20,8 @@ fix                      what it mends (details in the module's docstring)
                          (paddlefleet, paddlefleet_ops) named with what to do on CPU
 :mod:`.auto_grad_accumulation`  ``--enable_auto_parallel 1`` with gradient accumulation
                          sums the micro-batches' gradients (fleet averages them)
+:mod:`.auto_parallel_layouts`  ``--enable_auto_parallel 1`` with tensor parallelism on CPU:
+                         a one-rank FSDP group, then a segmentation fault (refused)
 :mod:`.pipe_models`      the generic pipeline model: ERNIE-4.5's default segmentation
                          names a class it never builds (fixed); sliding-window
                          attention dropped, eager attention without a causal mask
@@ -78,7 +80,7 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
     auto_grad_accumulation.fix(patcher, trainer_module)
     flex_checkpoint_load.fix(patcher, trainer_module)
     trainer_resume.fix(patcher, trainer_module)
-    trainer_start.fix(patcher, trainer_module)  # cpu_precision and recompute_flags
+    trainer_start.fix(patcher, trainer_module)  # cpu_precision, auto_parallel_layouts and recompute_flags
 
 
 def _fix_pipe_models(patcher: Patcher, pp_model) -> None:

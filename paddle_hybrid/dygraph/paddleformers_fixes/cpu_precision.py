@@ -14,14 +14,15 @@ changes on an accelerator.
 """
 from __future__ import annotations
 
-__all__ = ["CpuPrecisionError", "check"]
+__all__ = ["CpuPrecisionError", "check", "on_cpu"]
 
 
 class CpuPrecisionError(ValueError):
     """A half-precision flag on a CPU device."""
 
 
-def _on_cpu(args) -> bool:
+def on_cpu(args) -> bool:
+    """The Trainer runs on a CPU device: ``args.device`` says so, or Paddle has no accelerator."""
     import paddle
 
     from ...registry.device import accelerator_build
@@ -33,7 +34,7 @@ def _on_cpu(args) -> bool:
 def check(args) -> None:
     """Raise :class:`CpuPrecisionError` for ``fp16`` / ``bf16`` on a CPU device."""
     asked = [flag for flag in ("fp16", "bf16") if getattr(args, flag, False)]
-    if asked and _on_cpu(args):
+    if asked and on_cpu(args):
         flags = " and ".join(f"--{flag}" for flag in asked)
         raise CpuPrecisionError(
             f"{flags} on a CPU device: PaddleFormers' Trainer would train in float32 with --bf16 (Paddle's CPU "

@@ -1,12 +1,13 @@
 """What is checked, or carried into the model, before PaddleFormers' ``Trainer`` builds anything:
 one wrapper of ``Trainer.__init__`` for :mod:`.cpu_precision` (a half-precision flag on CPU stops
-here) and :mod:`.recompute_flags` (the recompute flags written into the model's config).
+here), :mod:`.auto_parallel_layouts` (auto-parallel tensor parallelism on CPU stops here) and
+:mod:`.recompute_flags` (the recompute flags written into the model's config).
 """
 from __future__ import annotations
 
 import functools
 
-from . import cpu_precision, recompute_flags
+from . import auto_parallel_layouts, cpu_precision, recompute_flags
 
 __all__ = ["fix"]
 
@@ -18,6 +19,7 @@ def _make_init(original):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             cpu_precision.check(training_args)
+            auto_parallel_layouts.check(training_args)
             if model is not None:
                 recompute_flags.carry(training_args, model)
         original(self, *args, **kwargs)

@@ -215,3 +215,30 @@ def test_dp2_auto_parallel_trains_like_fleet_and_one_process(work, untied, path)
         flags += ["--enable_auto_parallel", "1"]
     got = run(work["dir"], f"dp2-untied-{path}", 2, flags, untied["model"])
     assert_losses(got, untied["reference"], [1, 2, 3, 4], f"DP2 ({path})")
+
+
+@pytest.fixture(scope="module")
+def tied(work):
+    """One process's losses on the tiny LLaMA with tied embeddings, scale-sensitive settings."""
+    return run(work["dir"], "one-tied-scaled", 1, SCALE_SENSITIVE, work["model"])[0]
+
+
+@pytest.mark.parametrize("layout", ["dp2", "sharding2"])
+def test_auto_parallel_tied_embeddings_train_like_one_process(work, tied, layout):
+    """``--enable_auto_parallel 1`` on a model whose output layer is its input embedding.  Seen failing
+    first: "DistTensor is not defined yet when `local_dims` method is called" before step 1 (Paddle's
+    fused FSDP made two parameters of the tied one over one storage and freed it)."""
+    flags = [*LAYOUTS[layout][1], *SCALE_SENSITIVE, "--enable_auto_parallel", "1"]
+    got = run(work["dir"], f"{layout}-tied-auto", 2, flags, work["model"])
+    assert_losses(got, tied, [1, 2, 3, 4], f"{layout} auto-parallel, tied embeddings")
+
+
+def test_auto_parallel_tensor_parallel_is_refused_on_cpu(work):
+    """Stock: the plugin's CPU all-reduce got an auto-parallel DistTensor from fleet's TP layers and
+    the ranks died of a segmentation fault with no message (past a one-rank FSDP group error)."""
+    flags = [*LAYOUTS["tp2"][1], "--save_strategy", "no", "--enable_auto_parallel", "1"]
+    with pytest.raises(LaunchError) as failure:
+        run(work["dir"], "tp2-auto", 2, flags, work["model"])
+    text = str(failure.value)
+    assert "AutoParallelLayoutError: --enable_auto_parallel 1 with --tensor_model_parallel_size 2" in text, text[-3000:]
+    assert "Drop --enable_auto_parallel" in text

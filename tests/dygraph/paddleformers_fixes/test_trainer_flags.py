@@ -60,10 +60,10 @@ def test_recompute_flags_make_llama_recompute(tiny):
 
 
 def test_precision_check_on_an_accelerator_is_silent(monkeypatch):
-    monkeypatch.setattr(cpu_precision, "_on_cpu", lambda args: False)
+    monkeypatch.setattr(cpu_precision, "on_cpu", lambda args: False)
     cpu_precision.check(types.SimpleNamespace(fp16=True, bf16=False, device="gpu"))
     with pytest.raises(cpu_precision.CpuPrecisionError, match="--fp16 on a CPU device"):
-        monkeypatch.setattr(cpu_precision, "_on_cpu", lambda args: True)
+        monkeypatch.setattr(cpu_precision, "on_cpu", lambda args: True)
         cpu_precision.check(types.SimpleNamespace(fp16=True, bf16=False, device="cpu"))
 
 
@@ -77,3 +77,20 @@ def test_recompute_flags_never_override_a_config_value():
     args.recompute_num_layers = 1
     with pytest.raises(ValueError, match="recompute_num_layers=2"):
         recompute_flags.carry(args, model)
+
+
+def test_auto_parallel_layout_check_names_only_tensor_parallelism(monkeypatch):
+    from paddle_hybrid.dygraph.paddleformers_fixes import auto_parallel_layouts as layouts
+
+    def args(**kw):
+        return types.SimpleNamespace(**{"enable_auto_parallel": True, "tensor_model_parallel_size": 2,
+                                        "use_intermediate_api": False, "device": "cpu", **kw})
+
+    monkeypatch.setattr(layouts, "on_cpu", lambda a: True)
+    with pytest.raises(layouts.AutoParallelLayoutError, match="--tensor_model_parallel_size 2"):
+        layouts.check(args())
+    layouts.check(args(tensor_model_parallel_size=-1))  # no TP (PaddleFormers' default)
+    layouts.check(args(enable_auto_parallel=False))  # fleet's TP
+    layouts.check(args(use_intermediate_api=True))  # Paddle's own parallelize: not this finding
+    monkeypatch.setattr(layouts, "on_cpu", lambda a: False)
+    layouts.check(args(device="gpu"))  # not seen on an accelerator: left alone
