@@ -39,7 +39,15 @@ survivor reports it, also one that knows the rank at once)::
 
 Its wording ("closed by peer") is what the launcher counts as a failure caused by another rank.
 
-Nothing is added to an operation that completes: one dict increment and a clock read per call.
+**A DistTensor is refused before it reaches gloo.**  A process group's methods take dense tensors;
+given an auto-parallel DistTensor (fleet's tensor-parallel layers fed by a semi-auto model, seen
+with PaddleFormers' auto-parallel Trainer) the gloo process group reads it as a dense tensor and
+the process dies of a segmentation fault, with no message.  Now :class:`GlooDistTensorError`
+names the operation, the argument and what to pass instead (its ``_local_value()``, or dense
+tensors throughout).
+
+Nothing is added to an operation that completes: one dict increment, a clock read and a look at
+the arguments per call.
 Other errors pass through unchanged.  Not covered: collectives Paddle calls from C++ without this Python method (the
 DataParallel reducer, static-graph and ``_C_ops`` communication ops) keep gloo's message.
 """
@@ -53,7 +61,7 @@ import time
 from ..common import exchange
 from . import context_timeout as gloo_timeout
 
-__all__ = ["apply", "GlooTimeoutError", "GlooPeerLostError", "OPERATIONS", "naming_window", "is_gloo_timeout",
+__all__ = ["apply", "GlooTimeoutError", "GlooPeerLostError", "GlooDistTensorError", "OPERATIONS", "naming_window", "is_gloo_timeout",
            "lost_peer_before"]
 
 # ProcessGroup methods that communicate; those this Paddle lacks are skipped.  Not the all-to-alls:
@@ -85,6 +93,38 @@ class GlooTimeoutError(RuntimeError):
         super().__init__(message)
         self.operation, self.group_ranks, self.waited_for = operation, group_ranks, waited_for
         self.seconds, self.setting = seconds, setting
+
+
+class GlooDistTensorError(TypeError):
+    """A gloo operation was given an auto-parallel DistTensor (the process would have crashed)."""
+
+
+def _dist_tensor_argument(args, kwargs):
+    """Where a DistTensor sits among a call's arguments ("argument 1", "argument 0[2]", ...), or None."""
+    import paddle
+
+    def found(value):
+        return isinstance(value, paddle.Tensor) and value.is_dist()
+
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", a) for k, a in kwargs.items()]
+    for where, value in named:
+        if found(value):
+            return where
+        if isinstance(value, (list, tuple)):
+            for j, item in enumerate(value):
+                if found(item):
+                    return f"{where}[{j}]"
+    return None
+
+
+def _refuse_dist_tensors(operation, args, kwargs) -> None:
+    where = _dist_tensor_argument(args, kwargs)
+    if where is not None:
+        raise GlooDistTensorError(
+            f"paddle_hybrid: {operation} on a gloo process group was given an auto-parallel DistTensor ({where}); "
+            "a process group takes dense tensors and gloo would read it as one and crash the process. Pass its "
+            "local part (tensor._local_value()), or keep this code's tensors dense: fleet's tensor-parallel layers "
+            "and collectives do not take semi-auto DistTensors.")
 
 
 class GlooPeerLostError(RuntimeError):
@@ -242,6 +282,7 @@ def _message(operation, group_ranks, waited, sureness, seconds, setting, window,
 def _make_named(operation: str, original, config):
     @functools.wraps(original)
     def named(self, *args, **kwargs):
+        _refuse_dist_tensors(operation, args, kwargs)
         number = _calls[id(self)]
         _calls[id(self)] = number + 1
         started = time.monotonic()

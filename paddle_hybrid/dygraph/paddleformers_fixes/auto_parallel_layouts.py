@@ -9,10 +9,12 @@ which then get auto-parallel DistTensors.  What happens next, seen on CPU with P
   auto-parallel model in, all-gathers over the data-parallel group of one rank, a group Paddle
   makes with no process group on every device: "The group should not be None and all ranks which
   invoke this operation should be the member of this group";
-- past that, the first tensor-parallel all-reduce hands a DistTensor to the gloo process group,
-  which reads it as a dense tensor and the process dies of a segmentation fault, with no message.
+- past that (FSDP skipped, or with ``--use_intermediate_api``), the first tensor-parallel all-reduce
+  hands a DistTensor to the gloo process group, which reads it as a dense tensor: stock, the
+  process dies of a segmentation fault with no message (now :mod:`paddle_hybrid.gloo.errors`
+  refuses the DistTensor, naming the operation).
 
-Neither is a layout that trains, and the second gives no hint.  Fix: at ``Trainer.__init__``, on a
+Neither is a layout that trains, and neither says why.  Fix: at ``Trainer.__init__``, on a
 CPU device, this combination is refused with :class:`AutoParallelLayoutError` naming the flags
 and what trains instead (the same flags without ``--enable_auto_parallel``: fleet's TP, verified
 equal to one process here).  On an accelerator nothing changes (the device rule: not run there).
@@ -39,6 +41,6 @@ def check(args) -> None:
             f"--enable_auto_parallel 1 with --tensor_model_parallel_size {tp} on a CPU device: PaddleFormers 1.2 "
             "builds fleet's tensor-parallel layers and hands them auto-parallel DistTensors; Paddle's fused FSDP "
             "then all-gathers over a one-rank data-parallel group that has no process group, and the first "
-            "tensor-parallel all-reduce dies of a segmentation fault. Drop --enable_auto_parallel (fleet's tensor "
+            "tensor-parallel all-reduce is handed a DistTensor (stock: a segmentation fault). Drop --enable_auto_parallel (fleet's tensor "
             "parallelism trains this layout equal to one process), or keep --enable_auto_parallel for data "
             "parallelism and sharding only. (paddle_hybrid.paddleformers_fixes)")
