@@ -11,6 +11,11 @@ launch to first step is measured from just before the launcher starts to the end
 
     python benchmarks/bench_trainer.py                    # one, TP2, PP2, DP2, sharding 2
     python benchmarks/bench_trainer.py --steps 30 --layouts one tp2
+    python benchmarks/bench_trainer.py --local-ring-off     # beside each layout: gloo's TCP path
+
+``--local-ring-off`` adds, after each multi-process layout, the same run with
+``PADDLE_HYBRID_LOCAL_RING=0`` (the collectives on gloo's TCP pairs, as before the shared-memory
+path): the default first, the other beside it, in one run.
 
 Prints a table and writes ``benchmarks/results/trainer.json``.  Needs PaddleFormers 1.2.0
 (``PADDLE_HYBRID_EXTRAS=paddleformers source scripts/env.sh``).
@@ -42,16 +47,17 @@ LAYOUTS = {  # name: (processes, flags)
 }
 
 
-def run_layout(work, model, name, steps):
-    nprocs, flags = LAYOUTS[name]
-    out = os.path.join(work, name)
+def run_layout(work, model, name, steps, extra_env=None):
+    nprocs, flags = LAYOUTS[name.split(" ")[0]]
+    out = os.path.join(work, name.replace(" ", "_"))
     args = [EXAMPLE, "--model_name_or_path", model, "--output_dir", out, *CPU_FLAGS,
             "--max_steps", str(steps), "--gradient_accumulation_steps", str(ACCUMULATE), "--logging_steps", "1",
             "--per_device_train_batch_size", str(MICRO_BATCH), "--seq_length", str(SEQ), "--save_strategy", "no",
             *flags]
     cmd = [sys.executable, *args] if nprocs == 1 else [
         sys.executable, "-m", "paddle_hybrid.launch", "--nproc_per_node", str(nprocs), "--log_dir", out + ".log", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **(extra_env or {}))
     started = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -70,6 +76,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--local-ring-off", action="store_true",
+                   help="also run each multi-process layout with PADDLE_HYBRID_LOCAL_RING=0")
     args = p.parse_args(argv)
     if "one" not in args.layouts:
         args.layouts.insert(0, "one")
@@ -79,15 +87,18 @@ def main(argv=None):
         subprocess.run([sys.executable, EXAMPLE, "write-tiny-model", model], check=True, capture_output=True)
         for name in args.layouts:
             rows[name] = run_layout(work, model, name, args.steps)
+            if args.local_ring_off and LAYOUTS[name][0] > 1:
+                rows[f"{name} ring-off"] = run_layout(work, model, f"{name} ring-off", args.steps,
+                                                      {"PADDLE_HYBRID_LOCAL_RING": "0"})
     base = rows["one"]["tokens_per_s"]
-    print(f"{'layout':10s} {'procs':>5s} {'tokens/s':>10s} {'vs one':>7s} {'launch->step 1 (s)':>19s} {'loss':>8s}")
+    print(f"{'layout':18s} {'procs':>5s} {'tokens/s':>10s} {'vs one':>7s} {'launch->step 1 (s)':>19s} {'loss':>8s}")
     for name, r in rows.items():
         r["vs_one_process"] = r["tokens_per_s"] / base
-        print(f"{name:10s} {r['processes']:5d} {r['tokens_per_s']:10.0f} {r['vs_one_process']:6.2f}x "
+        print(f"{name:18s} {r['processes']:5d} {r['tokens_per_s']:10.0f} {r['vs_one_process']:6.2f}x "
               f"{r['launch_to_first_step_s']:19.1f} {r['final_loss']:8.4f}")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "trainer.json"), "w") as f:
-        json.dump({"config": {"steps": args.steps, "micro_batch": MICRO_BATCH, "accumulate": ACCUMULATE,
+        json.dump({"config": {"steps": args.steps, "local_ring_off_rows": args.local_ring_off, "micro_batch": MICRO_BATCH, "accumulate": ACCUMULATE,
                               "seq_length": SEQ, "model": "examples/paddleformers_trainer.py TINY"},
                    "layouts": rows}, f, indent=1)
 

@@ -134,6 +134,11 @@ class PluginConfig:
     ``"on"``, ``"off"``; a group of another backend keeps Paddle's calls in any case
     (``PADDLE_HYBRID_SHARDING_FUSED_COMM``)."""
 
+    local_ring: bool = setting(True, "switch")
+    """On a one-node job, ``all_reduce``, ``broadcast`` and ``all_gather`` of a gloo group go through
+    shared memory instead of gloo's TCP pairs (:mod:`paddle_hybrid.gloo.local_ring`; part of the
+    ``cpu`` component) (``PADDLE_HYBRID_LOCAL_RING``)."""
+
     pipeline_fused_p2p: bool = setting(True, "switch")
     """On gloo, a pipeline stage's tuple of tensors travels to the next stage (and its gradients
     back) as one message of their bytes instead of one message a tensor
