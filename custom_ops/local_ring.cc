@@ -179,12 +179,16 @@ void* ph_lr_open(const char* name, int create, int nranks, int rank, uint64_t sl
   const size_t size = DataOffset() + 2 * size_t(nranks) * slot_bytes;
   const int fd = shm_open(name, create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
   if (fd < 0) return nullptr;
-  if (create && ftruncate(fd, size) != 0) {
-    const int saved = errno;
-    close(fd);
-    shm_unlink(name);
-    errno = saved;
-    return nullptr;
+  // The memory is reserved now: a /dev/shm too small (a container's 64 MiB) fails here, with
+  // ENOSPC, instead of a SIGBUS at the first write into a page it cannot back.
+  if (create) {
+    int failed = ftruncate(fd, size) != 0 ? errno : posix_fallocate(fd, 0, size);
+    if (failed != 0) {
+      close(fd);
+      shm_unlink(name);
+      errno = failed;
+      return nullptr;
+    }
   }
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int saved = errno;

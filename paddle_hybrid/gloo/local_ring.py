@@ -28,7 +28,9 @@ within ~0.2 ms costs no sleep), else straight to a futex; every wait obeys the g
 not arrive, or :class:`~.errors.GlooPeerLostError` at once when that rank's process is gone (the
 launcher's root-cause words).  The segment is set up at a group's first such call (its name
 travels through the job's store) and unlinked as soon as every rank has mapped it: nothing is left
-in ``/dev/shm`` even if the job dies.
+in ``/dev/shm`` even if the job dies.  Its memory is reserved when it is made (2 x ranks x 256 KiB a
+group): where ``/dev/shm`` is too small (a container's default 64 MiB), the group stays on gloo
+with a warning, on every rank alike, instead of a crash at the first write.
 
 Switch: ``PluginConfig.local_ring`` (``PADDLE_HYBRID_LOCAL_RING``, default on), part of the ``cpu``
 component (CPU builds only).
@@ -47,7 +49,7 @@ from ..registry.device import is_gloo
 
 __all__ = ["apply", "calls", "eligible_job", "SLOT_BYTES"]
 
-SLOT_BYTES = 1 << 20  # per rank and parity; larger messages go in chunks of this size
+SLOT_BYTES = 1 << 18  # per rank and parity; larger messages go in chunks of this size
 _SPIN_SECONDS = 2e-4
 _DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4, "int8": 5}
 
@@ -73,7 +75,7 @@ def eligible_job() -> bool:
 def _library():
     from .. import ops
 
-    library = ctypes.CDLL(ops.library_path())
+    library = ctypes.CDLL(ops.library_path(), use_errno=True)
     library.ph_lr_open.restype = ctypes.c_void_p
     library.ph_lr_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
     library.ph_lr_unlink.argtypes = [ctypes.c_char_p]
@@ -124,29 +126,42 @@ def _spin_seconds(local_ranks: int) -> float:
 
 def _open(group, timeout: float):
     """Phases: rank 0 of the group creates the segment and says its name through the job's store
-    (:func:`~paddle_hybrid.common.exchange.exchange`); the others map it; once every rank says it
-    has, rank 0 unlinks the name (the mappings stay)."""
+    (:func:`~paddle_hybrid.common.exchange.exchange`; None when it could not: too little
+    ``/dev/shm``); the others map it; the ranks say whether they could, and rank 0 unlinks the name
+    (the mappings stay).  Any failure anywhere: every rank leaves the group to gloo, with a warning."""
+    import warnings
+
     import paddle.distributed as dist
 
     library = _library()
     ranks, rank, n = list(group.ranks), group.rank, group.nranks
     me, topic = dist.get_rank(), f"local_ring/{group.id}"
+    setting = "PADDLE_HYBRID_TIMEOUT"
+    name, handle, why = None, None, None
     if rank == 0:
         name = f"/ph_lr_{os.getpid()}_{uuid.uuid4().hex[:12]}"
         handle = library.ph_lr_open(name.encode(), 1, n, 0, SLOT_BYTES)
         if not handle:
-            raise OSError(ctypes.get_errno(), f"paddle_hybrid.local_ring: cannot create shared memory {name}")
-    said = exchange.exchange(name if rank == 0 else None, topic=f"{topic}/name", ranks=ranks, rank=me,
-                             timeout=timeout, setting="PADDLE_HYBRID_TIMEOUT")
-    if rank != 0:
-        name = said[ranks[0]]
+            why = f"cannot make {2 * n * SLOT_BYTES >> 10} KiB of shared memory: {os.strerror(ctypes.get_errno())}"
+            name = None
+    name = exchange.exchange(name, topic=f"{topic}/name", ranks=ranks, rank=me, timeout=timeout,
+                             setting=setting)[ranks[0]]
+    if rank != 0 and name is not None:
         handle = library.ph_lr_open(name.encode(), 0, n, rank, SLOT_BYTES)
         if not handle:
-            raise OSError(ctypes.get_errno(), f"paddle_hybrid.local_ring: cannot open shared memory {name}")
-    exchange.exchange(True, topic=f"{topic}/mapped", ranks=ranks, rank=me, timeout=timeout,
-                      setting="PADDLE_HYBRID_TIMEOUT")
-    if rank == 0:
+            why = f"cannot map {name}: {os.strerror(ctypes.get_errno())}"
+    mapped = exchange.exchange(bool(handle), topic=f"{topic}/mapped", ranks=ranks, rank=me, timeout=timeout,
+                               setting=setting)
+    if rank == 0 and name is not None:
         library.ph_lr_unlink(name.encode())
+    if not all(mapped.values()):
+        if handle:
+            library.ph_lr_close(handle)
+        failed = sorted(r for r, ok in mapped.items() if not ok)
+        reason = why or f"ranks {failed} could not make or map its shared memory"
+        warnings.warn(f"paddle_hybrid.local_ring: gloo group {ranks} keeps gloo's TCP path: {reason} "
+                      "(PADDLE_HYBRID_LOCAL_RING=0 silences this).", RuntimeWarning, stacklevel=2)
+        return None
     return _Ring(library, handle, ranks, timeout, _spin_seconds(int(os.environ.get("PADDLE_LOCAL_SIZE", n))))
 
 

@@ -98,3 +98,9 @@ def test_a_rank_that_dies_is_named_at_once(tmp_path):
         with open(tmp_path / "results" / f"rank{rank}.pkl", "rb") as f:
             kind, message = pickle.load(f)["error"]
         assert kind == "GlooPeerLostError" and "lost rank 2" in message and "closed by peer" in message, message
+
+
+def test_too_little_shared_memory_leaves_the_group_on_gloo():
+    for r in run(2, True, "no_shm"):
+        assert r["sum"] == [3.0, 3.0, 3.0] and r["calls"]["all_reduce"] == 0
+        assert len(r["warnings"]) == 1 and "keeps gloo's TCP path" in r["warnings"][0], r["warnings"]

@@ -4,7 +4,8 @@ CASE=values: all_reduce (SUM / MAX / MIN / PROD; float32, float64, int64; 1, 7 a
 elements: the last in chunks), AVG and float16 (gloo's path), broadcast (float32, bool, float16,
 from each rank), all_gather (a list, into a tensor), a group of all ranks but the first, a non-contiguous slice (gloo's path:
 refused), each
-result and the path taken saved.  CASE=late: the last rank skips one all_reduce (the others must
+result and the path taken saved.  CASE=no_shm: a segment larger than /dev/shm (the group stays on gloo, with
+a warning).  CASE=late: the last rank skips one all_reduce (the others must
 stop at the deadline naming it).  CASE=dies: the last rank exits (code 0, so the launcher lets the
 others run) before an all_reduce; the others must stop at once naming it."""
 import os
@@ -84,6 +85,16 @@ def main():
     result = {"rank": rank, "world": world}
     if CASE == "values":
         result["values"] = values(rank, world)
+    elif CASE == "no_shm":  # more shared memory than the machine has: the group must stay on gloo
+        import warnings
+
+        local_ring.SLOT_BYTES = 1 << 44
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            x = paddle.full([3], float(rank + 1))
+            dist.all_reduce(x)
+        result["sum"] = x.numpy().tolist()
+        result["warnings"] = [str(w.message) for w in seen if "local_ring" in str(w.message)]
     else:
         x = paddle.ones([4])
         dist.all_reduce(x)  # sets the ring up
