@@ -88,13 +88,23 @@ def _library():
     return library
 
 
+def _timed_out(operation, ranks, waited, seconds, setting, raw):
+    from . import errors
+
+    return errors.GlooTimeoutError(errors._message(operation, ranks, waited, "exact", seconds, setting, 0, raw),
+                                   operation=operation, group_ranks=ranks, waited_for=waited, seconds=seconds,
+                                   setting=setting)
+
+
 class _Ring:
-    """This rank's end of one group's shared-memory segment."""
+    """This rank's end of one group's shared-memory segment; its deadline is the group's
+    (``seconds``, and ``setting``, the name of what set it)."""
 
-    def __init__(self, library, handle, ranks: list, timeout: float, spin: float):
-        self.library, self.handle, self.ranks, self.timeout, self.spin = library, handle, ranks, timeout, spin
+    def __init__(self, library, handle, ranks: list, seconds: float, setting: str, spin: float):
+        self.library, self.handle, self.ranks, self.spin = library, handle, ranks, spin
+        self.timeout, self.setting = seconds, setting
 
-    def check(self, operation: str, status: int, missing: int, started: float) -> None:
+    def check(self, operation: str, status: int, missing, started: float) -> None:
         """Phase: turn a C status into the errors gloo's own path would raise (:mod:`.errors`)."""
         if status == 0:
             return
@@ -102,17 +112,14 @@ class _Ring:
 
         who = self.ranks[missing.value] if 0 <= missing.value < len(self.ranks) else None
         elapsed = time.monotonic() - started
-        raw = f"shared-memory {operation}: rank {who} did not arrive"
+        raw = f"TIMEOUT (shared memory): rank {who} did not arrive"
         if status == -2:
             raise errors.GlooPeerLostError(
-                errors._lost_message(operation, self.ranks, [who], elapsed, self.timeout, "PADDLE_HYBRID_TIMEOUT",
-                                     raw + " (its process is gone)"),
+                errors._lost_message(operation, self.ranks, [who], elapsed, self.timeout, self.setting,
+                                     f"shared memory: the process of rank {who} is gone"),
                 operation=operation, group_ranks=self.ranks, lost=[who], seconds=elapsed, deadline=self.timeout)
         if status == -1:
-            raise errors.GlooTimeoutError(
-                errors._message(operation, self.ranks, [who], "exact", self.timeout, "PADDLE_HYBRID_TIMEOUT", 0, raw),
-                operation=operation, group_ranks=self.ranks, waited_for=[who], seconds=self.timeout,
-                setting="PADDLE_HYBRID_TIMEOUT")
+            raise _timed_out(operation, self.ranks, [who], self.timeout, self.setting, raw)
         raise RuntimeError(f"paddle_hybrid.local_ring: {operation} failed with status {status}.")
 
 
@@ -124,7 +131,7 @@ def _spin_seconds(local_ranks: int) -> float:
     return _SPIN_SECONDS if local_ranks <= cores else 0.0
 
 
-def _open(group, timeout: float):
+def _open(group, timeout: float, setting: str):
     """Phases: rank 0 of the group creates the segment and says its name through the job's store
     (:func:`~paddle_hybrid.common.exchange.exchange`; None when it could not: too little
     ``/dev/shm``); the others map it; the ranks say whether they could, and rank 0 unlinks the name
@@ -136,7 +143,6 @@ def _open(group, timeout: float):
     library = _library()
     ranks, rank, n = list(group.ranks), group.rank, group.nranks
     me, topic = dist.get_rank(), f"local_ring/{group.id}"
-    setting = "PADDLE_HYBRID_TIMEOUT"
     name, handle, why = None, None, None
     if rank == 0:
         name = f"/ph_lr_{os.getpid()}_{uuid.uuid4().hex[:12]}"
@@ -162,18 +168,28 @@ def _open(group, timeout: float):
         warnings.warn(f"paddle_hybrid.local_ring: gloo group {ranks} keeps gloo's TCP path: {reason} "
                       "(PADDLE_HYBRID_LOCAL_RING=0 silences this).", RuntimeWarning, stacklevel=2)
         return None
-    return _Ring(library, handle, ranks, timeout, _spin_seconds(int(os.environ.get("PADDLE_LOCAL_SIZE", n))))
+    return _Ring(library, handle, ranks, timeout, setting, _spin_seconds(int(os.environ.get("PADDLE_LOCAL_SIZE", n))))
 
 
-def _ring(group, config):
-    """The group's ring, or None when the group does not take this path."""
+def _ring(group, config, operation: str):
+    """The group's ring, or None when the group does not take this path.  Made at the group's first
+    such collective, a rendezvous of its ranks like the collective itself: a rank that does not
+    come is named as the collective would name it."""
     group_id = group.id
     with _lock:
         if group_id in _rings:
             return _rings[group_id]
         ring = None
         if 2 <= group.nranks <= 64 and group.rank >= 0 and is_gloo(group):
-            ring = _open(group, float(config.timeout))
+            from . import errors
+
+            seconds, setting = errors._deadline(group.process_group, config)
+            seconds = float(config.timeout) if seconds is None else seconds
+            try:
+                ring = _open(group, seconds, setting)
+            except exchange.ExchangeTimeout as exc:
+                raise _timed_out(operation, list(group.ranks), exc.missing, seconds, setting,
+                                 "TIMEOUT (shared memory set-up)") from exc
         _rings[group_id] = ring
         return ring
 
@@ -220,7 +236,7 @@ def _make_all_reduce(original, config):
     def _all_reduce_in_dygraph(tensor, op, group, sync_op, use_calc_stream):
         code, dtype = _reduce_code(op), _DTYPES.get(_dtype_name(tensor))
         if code is not None and dtype is not None and _dense_cpu(tensor):
-            ring = _ring(_group(group), config)
+            ring = _ring(_group(group), config, "all_reduce")
             if ring is not None:
                 missing, started = ctypes.c_int(-1), time.monotonic()
                 status = ring.library.ph_lr_all_reduce(ring.handle, tensor.data_ptr(), tensor._numel(), dtype, code,
@@ -238,7 +254,7 @@ def _make_broadcast(original, config):
     def _broadcast_in_dygraph(tensor, src_rank_in_group, group, sync_op, use_calc_stream):
         if _dense_cpu(tensor):
             group_ = _group(group)
-            ring = _ring(group_, config)
+            ring = _ring(group_, config, "broadcast")
             if ring is not None and 0 <= src_rank_in_group < group_.nranks:
                 missing, started = ctypes.c_int(-1), time.monotonic()
                 status = ring.library.ph_lr_broadcast(ring.handle, tensor.data_ptr(),
@@ -266,7 +282,7 @@ def _make_all_gather_into_tensor(original, config):
     def _all_gather_into_tensor_in_dygraph(out_tensor, in_tensor, group, sync_op, use_calc_stream):
         if _dense_cpu(in_tensor) and _dense_cpu(out_tensor) and out_tensor.dtype == in_tensor.dtype:
             group_ = _group(group)
-            ring = _ring(group_, config)
+            ring = _ring(group_, config, "all_gather")
             if ring is not None and out_tensor._numel() == in_tensor._numel() * group_.nranks:
                 _gather(ring, out_tensor.data_ptr(), in_tensor)
                 return _Done()
@@ -282,7 +298,7 @@ def _make_all_gather(original, config):
 
         if _dense_cpu(tensor):
             group_ = _group(group)
-            ring = _ring(group_, config)
+            ring = _ring(group_, config, "all_gather")
             if ring is not None:
                 out = paddle.empty([group_.nranks, *tensor.shape], dtype=tensor.dtype)
                 _gather(ring, out.data_ptr(), tensor)
