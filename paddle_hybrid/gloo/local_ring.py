@@ -302,7 +302,7 @@ def _make_all_gather(original, config):
             if ring is not None:
                 out = paddle.empty([group_.nranks, *tensor.shape], dtype=tensor.dtype)
                 _gather(ring, out.data_ptr(), tensor)
-                parts = list(paddle.unbind(out, axis=0)) if tensor.shape else list(out)
+                parts = list(paddle.unbind(out, axis=0))
                 if len(tensor_list) == 0:
                     tensor_list.extend(parts)
                 else:  # the caller's tensors keep their identity: fill them
