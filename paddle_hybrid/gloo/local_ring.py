@@ -53,7 +53,10 @@ SLOT_BYTES = 1 << 18  # per rank and parity; larger messages go in chunks of thi
 _SPIN_SECONDS = 2e-4
 _DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4, "int8": 5}
 
-_rings: dict = {}  # group id -> _Ring (or None: this group does not take the path)
+# (group id, ranks, id of its process group) -> _Ring, or None: the group does not take the path.
+# The process group is part of the key (and kept alive by the entry): a group destroyed and made
+# again under the same id is another group.
+_rings: dict = {}
 _lock = threading.Lock()
 _calls = {"all_reduce": 0, "broadcast": 0, "all_gather": 0}
 
@@ -175,10 +178,11 @@ def _ring(group, config, operation: str):
     """The group's ring, or None when the group does not take this path.  Made at the group's first
     such collective, a rendezvous of its ranks like the collective itself: a rank that does not
     come is named as the collective would name it."""
-    group_id = group.id
+    process_group = getattr(group, "process_group", None)
+    key = (group.id, tuple(group.ranks), id(process_group))
     with _lock:
-        if group_id in _rings:
-            return _rings[group_id]
+        if key in _rings:
+            return _rings[key][0]
         ring = None
         if 2 <= group.nranks <= 64 and group.rank >= 0 and is_gloo(group):
             from . import errors
@@ -190,7 +194,7 @@ def _ring(group, config, operation: str):
             except exchange.ExchangeTimeout as exc:
                 raise _timed_out(operation, list(group.ranks), exc.missing, seconds, setting,
                                  "TIMEOUT (shared memory set-up)") from exc
-        _rings[group_id] = ring
+        _rings[key] = (ring, process_group)
         return ring
 
 
