@@ -107,6 +107,15 @@ class _Ring:
         self.library, self.handle, self.ranks, self.spin = library, handle, ranks, spin
         self.timeout, self.setting = seconds, setting
 
+    def run(self, operation: str, function, *args) -> "_Done":
+        """Phase: one C operation (``function(handle, *args, deadline, spin, &missing)``) on this
+        ring; a failure raised as gloo's path would raise it."""
+        missing, started = ctypes.c_int(-1), time.monotonic()
+        status = function(self.handle, *args, self.timeout, self.spin, ctypes.byref(missing))
+        self.check(operation, status, missing, started)
+        _calls[operation] += 1
+        return _Done()
+
     def check(self, operation: str, status: int, missing, started: float) -> None:
         """Phase: turn a C status into the errors gloo's own path would raise (:mod:`.errors`)."""
         if status == 0:
@@ -205,6 +214,10 @@ def _dense_cpu(tensor) -> bool:
         return False
 
 
+def _nbytes(tensor) -> int:
+    return tensor._numel() * tensor.element_size()
+
+
 def _dtype_name(tensor) -> str:
     return str(tensor.dtype).replace("paddle.", "")
 
@@ -242,12 +255,8 @@ def _make_all_reduce(original, config):
         if code is not None and dtype is not None and _dense_cpu(tensor):
             ring = _ring(_group(group), config, "all_reduce")
             if ring is not None:
-                missing, started = ctypes.c_int(-1), time.monotonic()
-                status = ring.library.ph_lr_all_reduce(ring.handle, tensor.data_ptr(), tensor._numel(), dtype, code,
-                                                       ring.timeout, ring.spin, ctypes.byref(missing))
-                ring.check("all_reduce", status, missing, started)
-                _calls["all_reduce"] += 1
-                return _Done()
+                return ring.run("all_reduce", ring.library.ph_lr_all_reduce, tensor.data_ptr(), tensor._numel(),
+                                dtype, code)
         return original(tensor, op, group, sync_op, use_calc_stream)
 
     return _all_reduce_in_dygraph
@@ -260,25 +269,15 @@ def _make_broadcast(original, config):
             group_ = _group(group)
             ring = _ring(group_, config, "broadcast")
             if ring is not None and 0 <= src_rank_in_group < group_.nranks:
-                missing, started = ctypes.c_int(-1), time.monotonic()
-                status = ring.library.ph_lr_broadcast(ring.handle, tensor.data_ptr(),
-                                                      tensor._numel() * tensor.element_size(), src_rank_in_group,
-                                                      ring.timeout, ring.spin, ctypes.byref(missing))
-                ring.check("broadcast", status, missing, started)
-                _calls["broadcast"] += 1
-                return _Done()
+                return ring.run("broadcast", ring.library.ph_lr_broadcast, tensor.data_ptr(), _nbytes(tensor),
+                                src_rank_in_group)
         return original(tensor, src_rank_in_group, group, sync_op, use_calc_stream)
 
     return _broadcast_in_dygraph
 
 
 def _gather(ring, out_ptr, tensor) -> None:
-    missing, started = ctypes.c_int(-1), time.monotonic()
-    status = ring.library.ph_lr_all_gather(ring.handle, tensor.data_ptr(), out_ptr,
-                                           tensor._numel() * tensor.element_size(), ring.timeout, ring.spin,
-                                           ctypes.byref(missing))
-    ring.check("all_gather", status, missing, started)
-    _calls["all_gather"] += 1
+    ring.run("all_gather", ring.library.ph_lr_all_gather, tensor.data_ptr(), out_ptr, _nbytes(tensor))
 
 
 def _make_all_gather_into_tensor(original, config):
