@@ -15,7 +15,10 @@ Worker side (inside the launched script)::
 Every run gets its own log directory (``--log_dir``) and result directory; on
 a non-zero exit, a missing result or a timeout the parent raises
 :class:`LaunchError` with the tail of every ``workerlog.N``.  A timeout kills
-the whole process group, so a hung collective never hangs the caller.
+the whole process group, so a hung collective never hangs the caller.  A launch
+whose rank 0 could not bind the job's port (Paddle's launcher chose it free, and
+another job took it before rank 0 bound it: seen with the two CI lanes at once) is
+run once more; nothing else is retried.
 """
 from __future__ import annotations
 
@@ -75,6 +78,39 @@ def _logs(log_dir: str) -> str:
     return "\n".join(parts) or "<no worker logs>"
 
 
+_PORT_TAKEN = "Bind network on IP_ANY:"
+
+
+def _master_port_taken(out: str, log_dir: str) -> bool:
+    """Rank 0 could not bind the job's store port (taken by another process since the launcher chose it)."""
+    if _PORT_TAKEN in out:
+        return True
+    for path in glob.glob(os.path.join(log_dir, "workerlog.*")):
+        with open(path, errors="replace") as f:
+            if _PORT_TAKEN in f.read():
+                return True
+    return False
+
+
+def _run_once(cmd, run_env, timeout, script, nprocs, log_dir):
+    """One launch: (exit code, launcher output); a timeout kills the process group and raises."""
+    proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise LaunchError(
+            f"launch: {script} on {nprocs} ranks did not finish within {timeout:.0f} s "
+            f"(killed).\n{_logs(log_dir)}"
+        )
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
+
+
 def launch(
     script: str,
     nprocs: int = 2,
@@ -122,30 +158,19 @@ def launch(
         *map(str, args),
     ]
     start = time.time()
-    proc = subprocess.Popen(
-        cmd,
-        env=run_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise LaunchError(
-            f"launch: {script} on {nprocs} ranks did not finish within {timeout:.0f} s "
-            f"(killed).\n{_logs(log_dir)}"
-        )
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    for attempt in (1, 2):
+        returncode, out = _run_once(cmd, run_env, timeout, script, nprocs, log_dir)
+        if returncode == 0 or attempt == 2 or not _master_port_taken(out, log_dir):
+            break
+        # Paddle's launcher picks the job's port, then rank 0 binds it later; another job on the
+        # machine (the other CI lane) can take it in between. Not a result of the script: once more.
+        shutil.rmtree(log_dir, ignore_errors=True)
+        for old in glob.glob(os.path.join(res_dir, "rank*.pkl")):
+            os.remove(old)
     elapsed = time.time() - start
-    if proc.returncode != 0:
+    if returncode != 0:
         raise LaunchError(
-            f"launch: {script} on {nprocs} ranks exited with {proc.returncode} after "
+            f"launch: {script} on {nprocs} ranks exited with {returncode} after "
             f"{elapsed:.1f} s.\nlauncher output (tail):\n{out[-3000:]}\n{_logs(log_dir)}"
         )
     saved = []
