@@ -22,8 +22,8 @@ Anything else goes to gloo unchanged.  Each rank reduces the ranks' parts in ran
 hold bitwise the same result; for two ranks it is bitwise gloo's (a + b); for more, the sum is in
 another order than gloo's ring.  A call is synchronous and returns a finished task.
 
-Waits: a short spin when this node's ranks do not outnumber its cores (then a partner arriving
-within ~0.2 ms costs no sleep), else straight to a futex; every wait obeys the group's deadline
+Waits: a short spin when this node's ranks do not outnumber its cores and those are otherwise idle
+(then a partner arriving within ~0.2 ms costs no sleep), else straight to a futex; every wait obeys the group's deadline
 (``PADDLE_HYBRID_TIMEOUT``) and raises :class:`~.errors.GlooTimeoutError` naming the rank that did
 not arrive, or :class:`~.errors.GlooPeerLostError` at once when that rank's process is gone (the
 launcher's root-cause words).  The segment is set up at a group's first such call (its name
@@ -136,11 +136,18 @@ class _Ring:
 
 
 def _spin_seconds(local_ranks: int) -> float:
+    """How long a wait may spin before it sleeps: 0.2 ms when this node's ranks fit its cores and
+    the cores are otherwise idle (load average below the core count when the ring is made), else 0:
+    a spinning rank would take the core a peer or another job needs."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return _SPIN_SECONDS if local_ranks <= cores else 0.0
+    try:
+        busy = os.getloadavg()[0] >= cores
+    except OSError:
+        busy = True
+    return _SPIN_SECONDS if local_ranks <= cores and not busy else 0.0
 
 
 def _open(group, timeout: float, setting: str):

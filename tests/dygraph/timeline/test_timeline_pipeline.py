@@ -57,11 +57,12 @@ BUBBLE_RUN = ["--hidden", "128", "--seq-len", "128", "--micro-batch-size", "8", 
 # Measured on the shared 2-core machine (4 runs, 2 ranks, 5 steps each): per-rank medians
 # 20-25%, single steps 14-43%.  It sits above the theory because on CPU gloo completes a p2p
 # inside the call (no overlap: its time is idle for the rank); a rank can dip below it
-# because the stages are not equal (the last holds the loss).  Band [theory / 2, 2 x theory]
-# = [10%, 40%]: wide enough for that noise, yet a broken measurement fails: 0 (busy time
-# taken for the whole window), 60% or more (a window spanning more than the step, lost
-# events), 100% (a rank without compute).
-BUBBLE_BAND = (0.5, 2.0)  # x theory
+# because the stages are not equal (the last holds the loss).  Under CI, whose two lanes
+# share the 2 cores, three of five steps of one rank once measured 45% (median 43.9%).
+# Band [theory / 2, 2.75 x theory] = [10%, 55%]: wide enough for that noise, yet a broken
+# measurement fails: 0 (busy time taken for the whole window), 60% or more (a window
+# spanning more than the step, lost events), 100% (a rank without compute).
+BUBBLE_BAND = (0.5, 2.75)  # x theory
 
 
 def _per_step(row):
