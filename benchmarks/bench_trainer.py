@@ -98,8 +98,8 @@ def main(argv=None):
               f"{r['launch_to_first_step_s']:19.1f} {r['final_loss']:8.4f}")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "trainer.json"), "w") as f:
-        json.dump({"config": {"steps": args.steps, "local_ring_off_rows": args.local_ring_off, "micro_batch": MICRO_BATCH, "accumulate": ACCUMULATE,
-                              "seq_length": SEQ, "model": "examples/paddleformers_trainer.py TINY"},
+        json.dump({"config": {"steps": args.steps, "local_ring_off_rows": args.local_ring_off,
+                              "micro_batch": MICRO_BATCH, "accumulate": ACCUMULATE, "seq_length": SEQ, "model": "examples/paddleformers_trainer.py TINY"},
                    "layouts": rows}, f, indent=1)
 
 

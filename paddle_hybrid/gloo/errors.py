@@ -61,8 +61,8 @@ import time
 from ..common import exchange
 from . import context_timeout as gloo_timeout
 
-__all__ = ["apply", "GlooTimeoutError", "GlooPeerLostError", "GlooDistTensorError", "OPERATIONS", "naming_window", "is_gloo_timeout",
-           "lost_peer_before"]
+__all__ = ["apply", "GlooTimeoutError", "GlooPeerLostError", "GlooDistTensorError", "OPERATIONS", "naming_window",
+           "is_gloo_timeout", "lost_peer_before"]
 
 # ProcessGroup methods that communicate; those this Paddle lacks are skipped.  Not the all-to-alls:
 # gloo has none, the expert_parallel component replaces them with send/recv, which are named here.

@@ -45,6 +45,7 @@ import time
 import uuid
 
 from ..common import exchange
+from ..common.tensor_bytes import nbytes
 from ..registry.device import is_gloo
 
 __all__ = ["apply", "calls", "eligible_job", "SLOT_BYTES"]
@@ -190,6 +191,15 @@ def _open(group, timeout: float, setting: str):
     return _Ring(library, handle, ranks, timeout, setting, _spin_seconds(int(os.environ.get("PADDLE_LOCAL_SIZE", n))))
 
 
+def _close_all() -> None:
+    """At uninstall: unmap every ring of this process (their names are long unlinked)."""
+    with _lock:
+        for ring, _ in _rings.values():
+            if ring is not None:
+                ring.library.ph_lr_close(ring.handle)
+        _rings.clear()
+
+
 def _ring(group, config, operation: str):
     """The group's ring, or None when the group does not take this path.  Made at the group's first
     such collective, a rendezvous of its ranks like the collective itself: a rank that does not
@@ -221,10 +231,6 @@ def _dense_cpu(tensor) -> bool:
         return False
 
 
-def _nbytes(tensor) -> int:
-    return tensor._numel() * tensor.element_size()
-
-
 def _dtype_name(tensor) -> str:
     return str(tensor.dtype).replace("paddle.", "")
 
@@ -242,11 +248,16 @@ class _Done:
         return None
 
 
-def _reduce_code(op):
-    """Paddle's ReduceOp (SUM 0, MAX 1, MIN 2, PROD 3) as the kernel's, or None (AVG, ...)."""
+@functools.lru_cache(maxsize=None)
+def _reduce_codes() -> dict:
     from paddle.distributed import ReduceOp
 
-    return {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PROD: 3}.get(op)
+    return {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PROD: 3}
+
+
+def _reduce_code(op):
+    """Paddle's ReduceOp (SUM 0, MAX 1, MIN 2, PROD 3) as the kernel's, or None (AVG, ...)."""
+    return _reduce_codes().get(op)
 
 
 def _group(group):
@@ -276,7 +287,7 @@ def _make_broadcast(original, config):
             group_ = _group(group)
             ring = _ring(group_, config, "broadcast")
             if ring is not None and 0 <= src_rank_in_group < group_.nranks:
-                return ring.run("broadcast", ring.library.ph_lr_broadcast, tensor.data_ptr(), _nbytes(tensor),
+                return ring.run("broadcast", ring.library.ph_lr_broadcast, tensor.data_ptr(), nbytes(tensor),
                                 src_rank_in_group)
         return original(tensor, src_rank_in_group, group, sync_op, use_calc_stream)
 
@@ -284,7 +295,7 @@ def _make_broadcast(original, config):
 
 
 def _gather(ring, out_ptr, tensor) -> None:
-    ring.run("all_gather", ring.library.ph_lr_all_gather, tensor.data_ptr(), out_ptr, _nbytes(tensor))
+    ring.run("all_gather", ring.library.ph_lr_all_gather, tensor.data_ptr(), out_ptr, nbytes(tensor))
 
 
 def _make_all_gather_into_tensor(original, config):
@@ -340,4 +351,5 @@ def apply(config, patcher) -> str | None:
                                (all_gather, "_all_gather_in_dygraph", _make_all_gather)):
         original = patcher.require(module, name, f"{where}.{module.__name__.rsplit('.', 1)[-1]}")
         patcher.set(module, name, make(original, config))
+    patcher.on_revert(_close_all, "the shared-memory rings of this process")
     return "same-host gloo collectives (all_reduce, broadcast, all_gather) through shared memory"

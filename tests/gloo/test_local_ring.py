@@ -35,6 +35,9 @@ def test_two_ranks_equal_gloo_bitwise():
         for key, value in a["values"].items():
             np.testing.assert_array_equal(value, b["values"][key], err_msg=f"rank {a['rank']} {key}")
     assert on[0]["values"]["all_reduce/slice"].tolist() == [True]  # refused by gloo as before
+    for r in on:  # uninstall unmaps the rings; the next all_reduce is gloo's (no new shared-memory call)
+        assert r["rings_before_uninstall"] >= 1
+        assert r["after_uninstall"] == {"rings": 0, "sum": [3.0, 3.0], "calls": 33}
 
 
 def _part(shape, dtype, seed):

@@ -1,13 +1,14 @@
 """One rank of the shared-memory collectives check (``paddle_hybrid.gloo.local_ring``).
 
-CASE=values: all_reduce (SUM / MAX / MIN / PROD; float32, float64, int64; 1, 7 and 600000
-elements: the last in chunks), AVG and float16 (gloo's path), broadcast (float32, bool, float16,
-from each rank), all_gather (a list, into a tensor), a group of all ranks but the first, a non-contiguous slice (gloo's path:
-refused), each
-result and the path taken saved.  CASE=no_shm: a segment larger than /dev/shm (the group stays on gloo, with
-a warning).  CASE=late: the last rank skips one all_reduce (the others must
-stop at the deadline naming it).  CASE=dies: the last rank exits (code 0, so the launcher lets the
-others run) before an all_reduce; the others must stop at once naming it."""
+CASE=values: all_reduce (SUM / MAX / MIN / PROD of float32, float64, int64 with 1, 7 and 600000
+elements, the last in chunks; float16 takes gloo's path), broadcast (float32, bool, float16, from
+each rank), all_gather (a list, a given list, into a tensor), a group of all ranks but the first,
+a non-contiguous slice (gloo's path: refused), then one all_reduce after
+``paddle_hybrid.uninstall()``; each result and the path taken saved.  CASE=no_shm: a segment
+larger than /dev/shm (the group stays on gloo, with a warning).  CASE=late: the last rank skips
+one all_reduce (the others must stop at the deadline naming it).  CASE=dies: the last rank exits
+(code 0, so the launcher lets the others run) before an all_reduce; the others must stop at once
+naming it."""
 import os
 import sys
 
@@ -85,6 +86,13 @@ def main():
     result = {"rank": rank, "world": world}
     if CASE == "values":
         result["values"] = values(rank, world)
+        # uninstalled: the rings are unmapped and collectives are gloo's again
+        result["rings_before_uninstall"] = len(local_ring._rings)
+        paddle_hybrid.uninstall()
+        x = paddle.full([2], float(rank + 1))
+        dist.all_reduce(x)
+        result["after_uninstall"] = {"rings": len(local_ring._rings), "sum": x.numpy().tolist(),
+                                     "calls": local_ring.calls()["all_reduce"]}
     elif CASE == "no_shm":  # more shared memory than the machine has: the group must stay on gloo
         import warnings
 

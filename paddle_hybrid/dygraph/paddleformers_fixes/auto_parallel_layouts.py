@@ -41,6 +41,6 @@ def check(args) -> None:
             f"--enable_auto_parallel 1 with --tensor_model_parallel_size {tp} on a CPU device: PaddleFormers 1.2 "
             "builds fleet's tensor-parallel layers and hands them auto-parallel DistTensors; Paddle's fused FSDP "
             "then all-gathers over a one-rank data-parallel group that has no process group, and the first "
-            "tensor-parallel all-reduce is handed a DistTensor (stock: a segmentation fault). Drop --enable_auto_parallel (fleet's tensor "
-            "parallelism trains this layout equal to one process), or keep --enable_auto_parallel for data "
-            "parallelism and sharding only. (paddle_hybrid.paddleformers_fixes)")
+            "tensor-parallel all-reduce is handed a DistTensor (stock: a segmentation fault). Drop "
+            "--enable_auto_parallel (fleet's tensor parallelism trains this layout equal to one process), or keep "
+            "--enable_auto_parallel for data parallelism and sharding only. (paddle_hybrid.paddleformers_fixes)")
