@@ -12,10 +12,13 @@ launch to first step is measured from just before the launcher starts to the end
     python benchmarks/bench_trainer.py                    # one, TP2, PP2, DP2, sharding 2
     python benchmarks/bench_trainer.py --steps 30 --layouts one tp2
     python benchmarks/bench_trainer.py --local-ring-off     # beside each layout: gloo's TCP path
+    python benchmarks/bench_trainer.py --local-p2p-off --layouts pp2   # p2p alone on gloo
 
 ``--local-ring-off`` adds, after each multi-process layout, the same run with
-``PADDLE_HYBRID_LOCAL_RING=0`` (the collectives on gloo's TCP pairs, as before the shared-memory
-path): the default first, the other beside it, in one run.
+``PADDLE_HYBRID_LOCAL_RING=0 PADDLE_HYBRID_LOCAL_P2P=0`` (collectives and send/recv on gloo's TCP
+pairs, as before the shared-memory paths); ``--local-p2p-off`` one with only
+``PADDLE_HYBRID_LOCAL_P2P=0`` (send/recv on gloo, collectives through shared memory): the default
+first, the others beside it, in one run.
 
 Prints a table and writes ``benchmarks/results/trainer.json``.  Needs PaddleFormers 1.2.0
 (``PADDLE_HYBRID_EXTRAS=paddleformers source scripts/env.sh``).
@@ -77,7 +80,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--local-ring-off", action="store_true",
-                   help="also run each multi-process layout with PADDLE_HYBRID_LOCAL_RING=0")
+                   help="also run each multi-process layout with PADDLE_HYBRID_LOCAL_RING=0 PADDLE_HYBRID_LOCAL_P2P=0")
+    p.add_argument("--local-p2p-off", action="store_true",
+                   help="also run each multi-process layout with PADDLE_HYBRID_LOCAL_P2P=0")
     args = p.parse_args(argv)
     if "one" not in args.layouts:
         args.layouts.insert(0, "one")
@@ -87,9 +92,14 @@ def main(argv=None):
         subprocess.run([sys.executable, EXAMPLE, "write-tiny-model", model], check=True, capture_output=True)
         for name in args.layouts:
             rows[name] = run_layout(work, model, name, args.steps)
-            if args.local_ring_off and LAYOUTS[name][0] > 1:
+            if LAYOUTS[name][0] == 1:
+                continue
+            if args.local_p2p_off:
+                rows[f"{name} p2p-off"] = run_layout(work, model, f"{name} p2p-off", args.steps,
+                                                     {"PADDLE_HYBRID_LOCAL_P2P": "0"})
+            if args.local_ring_off:
                 rows[f"{name} ring-off"] = run_layout(work, model, f"{name} ring-off", args.steps,
-                                                      {"PADDLE_HYBRID_LOCAL_RING": "0"})
+                                                      {"PADDLE_HYBRID_LOCAL_RING": "0", "PADDLE_HYBRID_LOCAL_P2P": "0"})
     base = rows["one"]["tokens_per_s"]
     print(f"{'layout':18s} {'procs':>5s} {'tokens/s':>10s} {'vs one':>7s} {'launch->step 1 (s)':>19s} {'loss':>8s}")
     for name, r in rows.items():
@@ -99,6 +109,7 @@ def main(argv=None):
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "trainer.json"), "w") as f:
         json.dump({"config": {"steps": args.steps, "local_ring_off_rows": args.local_ring_off,
+                              "local_p2p_off_rows": args.local_p2p_off,
                               "micro_batch": MICRO_BATCH, "accumulate": ACCUMULATE, "seq_length": SEQ, "model": "examples/paddleformers_trainer.py TINY"},
                    "layouts": rows}, f, indent=1)
 

@@ -12,6 +12,14 @@
 // Waiting: a short spin when the caller allows it (ranks <= cores), then a futex wait on a shared
 // word every arrival bumps, in slices of 50 ms; between slices the ranks not arrived are checked
 // for life (kill(pid, 0)) and the deadline is checked.  Plain C ABI, loaded with ctypes.
+//
+// Point to point (ph_lp_*): one segment per pair of ranks of a group, holding two lanes, one per
+// direction, each a single-producer single-consumer byte ring.  A message is its length (8 bytes)
+// then its bytes; the writer copies as much as there is room for and publishes its head
+// (release), the reader copies out what is published and publishes its tail.  A send therefore
+// returns once its bytes are in the lane (buffered), where gloo's send waits for the receive to
+// be posted: every program that completes on gloo completes here.  Waits as above, on the lane's
+// own futex word, bumped by both ends.
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -154,6 +162,31 @@ void Reduce(T* out, Ring* ring, uint64_t op, size_t count, int reduce_op) {
   }
 }
 
+// Create (create != 0) or open the segment `name` of `size` bytes and map it; NULL with errno set.
+// The memory is reserved at creation: a /dev/shm too small (a container's 64 MiB) fails here, with
+// ENOSPC, instead of a SIGBUS at the first write into a page it cannot back.
+void* MapSegment(const char* name, int create, size_t size) {
+  const int fd = shm_open(name, create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0) return nullptr;
+  if (create) {
+    int failed = ftruncate(fd, size) != 0 ? errno : posix_fallocate(fd, 0, size);
+    if (failed != 0) {
+      close(fd);
+      shm_unlink(name);
+      errno = failed;
+      return nullptr;
+    }
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int saved = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    errno = saved;
+    return nullptr;
+  }
+  return base;
+}
+
 size_t ElementSize(int dtype) {
   switch (dtype) {
     case 0: return 4;  // float32
@@ -177,26 +210,8 @@ void* ph_lr_open(const char* name, int create, int nranks, int rank, uint64_t sl
     return nullptr;
   }
   const size_t size = DataOffset() + 2 * size_t(nranks) * slot_bytes;
-  const int fd = shm_open(name, create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
-  if (fd < 0) return nullptr;
-  // The memory is reserved now: a /dev/shm too small (a container's 64 MiB) fails here, with
-  // ENOSPC, instead of a SIGBUS at the first write into a page it cannot back.
-  if (create) {
-    int failed = ftruncate(fd, size) != 0 ? errno : posix_fallocate(fd, 0, size);
-    if (failed != 0) {
-      close(fd);
-      shm_unlink(name);
-      errno = failed;
-      return nullptr;
-    }
-  }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int saved = errno;
-  close(fd);
-  if (base == MAP_FAILED) {
-    errno = saved;
-    return nullptr;
-  }
+  void* base = MapSegment(name, create, size);
+  if (base == nullptr) return nullptr;
   Header* header = static_cast<Header*>(base);
   if (create) {
     new (header) Header();
@@ -293,6 +308,193 @@ int ph_lr_all_gather(void* handle, const void* in, void* out, uint64_t nbytes, d
     done += n;
   }
   return 0;
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Point to point: two lanes per pair of ranks (see the top of the file).
+
+namespace {
+
+constexpr uint32_t kPairMagic = 0x50484c50;  // "PHLP"
+
+struct alignas(64) Lane {
+  std::atomic<uint64_t> head;  // bytes the writer has published
+  alignas(64) std::atomic<uint64_t> tail;  // bytes the reader has consumed
+  alignas(64) std::atomic<uint32_t> seq;   // futex word: bumped at every publish of head or tail
+  std::atomic<int32_t> sleepers;           // ends inside a futex wait on seq
+};
+
+struct PairHeader {
+  std::atomic<uint32_t> magic;
+  uint64_t lane_bytes;
+  alignas(64) std::atomic<int32_t> pid[2];
+  Lane lanes[2];  // lanes[e] is written by end e and read by end 1 - e
+};
+
+struct Pair {
+  PairHeader* header;
+  char* data;  // the bytes of lanes[0], then of lanes[1]
+  size_t mapped;
+  int end;
+  uint64_t lane_bytes;
+};
+
+size_t PairDataOffset() { return (sizeof(PairHeader) + 4095) & ~size_t(4095); }
+
+char* LaneData(Pair* pair, int lane) { return pair->data + size_t(lane) * pair->lane_bytes; }
+
+void Bump(Lane* lane) {
+  lane->seq.fetch_add(1, std::memory_order_seq_cst);
+  if (lane->sleepers.load(std::memory_order_seq_cst) > 0) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&lane->seq), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  }
+}
+
+// Wait until ready() holds: 0; -1 the deadline (counted from `start`) passed; -2 the other end's
+// process is gone.
+template <typename Ready>
+int WaitLane(Pair* pair, Lane* lane, Ready ready, double start, double timeout_s, double spin_s) {
+  if (ready()) return 0;
+  const double spin_from = Now();
+  while (spin_s > 0 && Now() - spin_from < spin_s) {
+    for (int i = 0; i < 64; ++i) CpuRelax();
+    if (ready()) return 0;
+  }
+  for (;;) {
+    const uint32_t seen = lane->seq.load(std::memory_order_seq_cst);
+    lane->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (ready()) {
+      lane->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      return 0;
+    }
+    timespec slice{0, 50 * 1000 * 1000};
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&lane->seq), FUTEX_WAIT, seen, &slice, nullptr, 0);
+    lane->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return 0;
+    const int32_t pid = pair->header->pid[1 - pair->end].load(std::memory_order_seq_cst);
+    if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) return -2;
+    if (Now() - start > timeout_s) return -1;
+  }
+}
+
+// Copy `n` bytes into this end's lane, waiting for room; the head is stored when the lane is full and
+// at the end, and the reader woken then if `publish` (a message's length waits for its bytes).
+int LaneWrite(Pair* pair, const char* src, uint64_t n, bool publish, double start, double timeout_s,
+              double spin_s) {
+  Lane* lane = &pair->header->lanes[pair->end];
+  char* bytes = LaneData(pair, pair->end);
+  const uint64_t cap = pair->lane_bytes;
+  uint64_t head = lane->head.load(std::memory_order_relaxed);  // only this end writes it
+  while (n > 0) {
+    const uint64_t room = cap - (head - lane->tail.load(std::memory_order_acquire));
+    if (room == 0) {
+      lane->head.store(head, std::memory_order_release);
+      Bump(lane);
+      auto has_room = [&] { return head - lane->tail.load(std::memory_order_acquire) < cap; };
+      const int status = WaitLane(pair, lane, has_room, start, timeout_s, spin_s);
+      if (status != 0) return status;
+      continue;
+    }
+    const uint64_t at = head % cap;
+    uint64_t k = n < room ? n : room;
+    if (k > cap - at) k = cap - at;
+    std::memcpy(bytes + at, src, k);
+    src += k;
+    n -= k;
+    head += k;
+  }
+  lane->head.store(head, std::memory_order_release);
+  if (publish) Bump(lane);  // without: a sleeping reader wakes at the next write's bump
+  return 0;
+}
+
+// Copy `n` bytes out of the other end's lane, waiting for them; the tail is published after each
+// piece, so a writer waiting for room goes on.
+int LaneRead(Pair* pair, char* dst, uint64_t n, double start, double timeout_s, double spin_s) {
+  const int from = 1 - pair->end;
+  Lane* lane = &pair->header->lanes[from];
+  const char* bytes = LaneData(pair, from);
+  const uint64_t cap = pair->lane_bytes;
+  uint64_t tail = lane->tail.load(std::memory_order_relaxed);  // only this end writes it
+  while (n > 0) {
+    const uint64_t ready = lane->head.load(std::memory_order_acquire) - tail;
+    if (ready == 0) {
+      auto has_data = [&] { return lane->head.load(std::memory_order_acquire) != tail; };
+      const int status = WaitLane(pair, lane, has_data, start, timeout_s, spin_s);
+      if (status != 0) return status;
+      continue;
+    }
+    const uint64_t at = tail % cap;
+    uint64_t k = n < ready ? n : ready;
+    if (k > cap - at) k = cap - at;
+    std::memcpy(dst, bytes + at, k);
+    dst += k;
+    n -= k;
+    tail += k;
+    lane->tail.store(tail, std::memory_order_release);
+    Bump(lane);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Create (create != 0) or open the pair segment `name`, as end 0 or 1; NULL with errno set.
+void* ph_lp_open(const char* name, int create, int end, uint64_t lane_bytes) {
+  if ((end != 0 && end != 1) || lane_bytes == 0 || lane_bytes % 64) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  const size_t size = PairDataOffset() + 2 * lane_bytes;
+  void* base = MapSegment(name, create, size);
+  if (base == nullptr) return nullptr;
+  PairHeader* header = static_cast<PairHeader*>(base);
+  if (create) {
+    new (header) PairHeader();
+    header->lane_bytes = lane_bytes;
+    header->magic.store(kPairMagic, std::memory_order_release);
+  } else if (header->magic.load(std::memory_order_acquire) != kPairMagic || header->lane_bytes != lane_bytes) {
+    munmap(base, size);
+    errno = EPROTO;
+    return nullptr;
+  }
+  header->pid[end].store(static_cast<int32_t>(getpid()), std::memory_order_seq_cst);
+  return new Pair{header, static_cast<char*>(base) + PairDataOffset(), size, end, lane_bytes};
+}
+
+void ph_lp_close(void* handle) {
+  Pair* pair = static_cast<Pair*>(handle);
+  if (pair == nullptr) return;
+  munmap(pair->header, pair->mapped);
+  delete pair;
+}
+
+// One message of `nbytes` at `ptr` to the other end: its length, then its bytes.  Returns once
+// they are all in the lane (0), or the WaitLane code.
+int ph_lp_send(void* handle, const void* ptr, uint64_t nbytes, double timeout_s, double spin_s) {
+  Pair* pair = static_cast<Pair*>(handle);
+  const double start = Now();
+  const int status = LaneWrite(pair, reinterpret_cast<const char*>(&nbytes), sizeof(nbytes), false, start,
+                               timeout_s, spin_s);
+  if (status != 0) return status;
+  return LaneWrite(pair, static_cast<const char*>(ptr), nbytes, true, start, timeout_s, spin_s);
+}
+
+// The next message from the other end into `ptr`, which holds `nbytes`.  -4 when the message has
+// another length (*sent: its length; the lane is then out of step and must not be used again).
+int ph_lp_recv(void* handle, void* ptr, uint64_t nbytes, double timeout_s, double spin_s, uint64_t* sent) {
+  Pair* pair = static_cast<Pair*>(handle);
+  const double start = Now();
+  uint64_t length = 0;
+  int status = LaneRead(pair, reinterpret_cast<char*>(&length), sizeof(length), start, timeout_s, spin_s);
+  if (status != 0) return status;
+  *sent = length;
+  if (length != nbytes) return -4;
+  return LaneRead(pair, static_cast<char*>(ptr), nbytes, start, timeout_s, spin_s);
 }
 
 }  // extern "C"

@@ -139,6 +139,11 @@ class PluginConfig:
     shared memory instead of gloo's TCP pairs (:mod:`paddle_hybrid.gloo.local_ring`; part of the
     ``cpu`` component) (``PADDLE_HYBRID_LOCAL_RING``)."""
 
+    local_p2p: bool = setting(True, "switch")
+    """On a one-node job, ``send`` and ``recv`` (``isend``/``irecv``, pipeline p2p) of a gloo group go
+    through shared memory, buffered, instead of gloo's rendezvous over TCP
+    (:mod:`paddle_hybrid.gloo.local_p2p`; part of the ``cpu`` component) (``PADDLE_HYBRID_LOCAL_P2P``)."""
+
     pipeline_fused_p2p: bool = setting(True, "switch")
     """On gloo, a pipeline stage's tuple of tensors travels to the next stage (and its gradients
     back) as one message of their bytes instead of one message a tensor

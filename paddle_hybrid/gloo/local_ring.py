@@ -76,20 +76,29 @@ def eligible_job() -> bool:
     return bool(local) and local == world
 
 
-def _library():
+@functools.lru_cache(maxsize=None)
+def library():
+    """The ops library with the C signatures of the shared-memory paths (``ph_lr_*`` collectives,
+    ``ph_lp_*`` point to point, :file:`custom_ops/local_ring.cc`)."""
     from .. import ops
 
-    library = ctypes.CDLL(ops.library_path(), use_errno=True)
-    library.ph_lr_open.restype = ctypes.c_void_p
-    library.ph_lr_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
-    library.ph_lr_unlink.argtypes = [ctypes.c_char_p]
-    library.ph_lr_close.argtypes = [ctypes.c_void_p]
+    lib = ctypes.CDLL(ops.library_path(), use_errno=True)
+    lib.ph_lr_open.restype = ctypes.c_void_p
+    lib.ph_lr_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
+    lib.ph_lr_unlink.argtypes = [ctypes.c_char_p]
+    lib.ph_lr_close.argtypes = [ctypes.c_void_p]
     common = [ctypes.c_double, ctypes.c_double, ctypes.POINTER(ctypes.c_int)]
-    library.ph_lr_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int,
-                                         *common]
-    library.ph_lr_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, *common]
-    library.ph_lr_all_gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, *common]
-    return library
+    lib.ph_lr_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int,
+                                     *common]
+    lib.ph_lr_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, *common]
+    lib.ph_lr_all_gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, *common]
+    lib.ph_lp_open.restype = ctypes.c_void_p
+    lib.ph_lp_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
+    lib.ph_lp_close.argtypes = [ctypes.c_void_p]
+    lib.ph_lp_send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_double, ctypes.c_double]
+    lib.ph_lp_recv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_double, ctypes.c_double,
+                               ctypes.POINTER(ctypes.c_uint64)]
+    return lib
 
 
 def _timed_out(operation, ranks, waited, seconds, setting, raw):
@@ -104,8 +113,8 @@ class _Ring:
     """This rank's end of one group's shared-memory segment; its deadline is the group's
     (``seconds``, and ``setting``, the name of what set it)."""
 
-    def __init__(self, library, handle, ranks: list, seconds: float, setting: str, spin: float):
-        self.library, self.handle, self.ranks, self.spin = library, handle, ranks, spin
+    def __init__(self, handle, ranks: list, seconds: float, setting: str, spin: float):
+        self.library, self.handle, self.ranks, self.spin = library(), handle, ranks, spin
         self.timeout, self.setting = seconds, setting
 
     def run(self, operation: str, function, *args) -> "_Done":
@@ -119,24 +128,27 @@ class _Ring:
 
     def check(self, operation: str, status: int, missing, started: float) -> None:
         """Phase: turn a C status into the errors gloo's own path would raise (:mod:`.errors`)."""
-        if status == 0:
-            return
-        from . import errors
-
-        who = self.ranks[missing.value] if 0 <= missing.value < len(self.ranks) else None
-        elapsed = time.monotonic() - started
-        raw = f"TIMEOUT (shared memory): rank {who} did not arrive"
-        if status == -2:
-            raise errors.GlooPeerLostError(
-                errors._lost_message(operation, self.ranks, [who], elapsed, self.timeout, self.setting,
-                                     f"shared memory: the process of rank {who} is gone"),
-                operation=operation, group_ranks=self.ranks, lost=[who], seconds=elapsed, deadline=self.timeout)
-        if status == -1:
-            raise _timed_out(operation, self.ranks, [who], self.timeout, self.setting, raw)
-        raise RuntimeError(f"paddle_hybrid.local_ring: {operation} failed with status {status}.")
+        if status != 0:
+            who = self.ranks[missing.value] if 0 <= missing.value < len(self.ranks) else None
+            raise_failure(operation, status, self.ranks, who, time.monotonic() - started, self.timeout, self.setting)
 
 
-def _spin_seconds(local_ranks: int) -> float:
+def raise_failure(operation: str, status: int, ranks: list, who, elapsed: float, timeout: float, setting: str):
+    """A C status of the shared-memory paths (-1 deadline, -2 the process of rank ``who`` gone) as
+    the error gloo's own path would raise (:mod:`.errors`)."""
+    from . import errors
+
+    if status == -2:
+        raise errors.GlooPeerLostError(
+            errors._lost_message(operation, ranks, [who], elapsed, timeout, setting,
+                                 f"shared memory: the process of rank {who} is gone"),
+            operation=operation, group_ranks=ranks, lost=[who], seconds=elapsed, deadline=timeout)
+    if status == -1:
+        raise _timed_out(operation, ranks, [who], timeout, setting, f"TIMEOUT (shared memory): rank {who} did not arrive")
+    raise RuntimeError(f"paddle_hybrid.local_ring: {operation} failed with status {status}.")
+
+
+def spin_seconds(local_ranks: int) -> float:
     """How long a wait may spin before it sleeps: 0.2 ms when this node's ranks fit its cores and
     the cores are otherwise idle (load average below the core count when the ring is made), else 0:
     a spinning rank would take the core a peer or another job needs."""
@@ -151,44 +163,56 @@ def _spin_seconds(local_ranks: int) -> float:
     return _SPIN_SECONDS if local_ranks <= cores and not busy else 0.0
 
 
-def _open(group, timeout: float, setting: str):
-    """Phases: rank 0 of the group creates the segment and says its name through the job's store
-    (:func:`~paddle_hybrid.common.exchange.exchange`; None when it could not: too little
-    ``/dev/shm``); the others map it; the ranks say whether they could, and rank 0 unlinks the name
-    (the mappings stay).  Any failure anywhere: every rank leaves the group to gloo, with a warning."""
+def open_segment(ranks: list, me: int, topic: str, make, attach, close, what: str, size: int, timeout: float,
+                 setting: str):
+    """Phases: the first of ``ranks`` (global ranks) makes the segment (``make(name)``: a handle, or
+    0 with errno set: too little ``/dev/shm``) and says its name through the job's store
+    (:func:`~paddle_hybrid.common.exchange.exchange`); the others map it (``attach(name)``); the
+    ranks say whether they could, and the first unlinks the name (the mappings stay).  Any failure
+    anywhere: every rank closes what it has and gets None, with a warning naming ``what`` (the
+    group it was for) and why (``size``: the bytes it needs)."""
     import warnings
 
-    import paddle.distributed as dist
-
-    library = _library()
-    ranks, rank, n = list(group.ranks), group.rank, group.nranks
-    me, topic = dist.get_rank(), f"local_ring/{group.id}"
     name, handle, why = None, None, None
-    if rank == 0:
+    if me == ranks[0]:
         name = f"/ph_lr_{os.getpid()}_{uuid.uuid4().hex[:12]}"
-        handle = library.ph_lr_open(name.encode(), 1, n, 0, SLOT_BYTES)
+        handle = make(name.encode())
         if not handle:
-            why = f"cannot make {2 * n * SLOT_BYTES >> 10} KiB of shared memory: {os.strerror(ctypes.get_errno())}"
+            why = f"cannot make {size >> 10} KiB of shared memory: {os.strerror(ctypes.get_errno())}"
             name = None
     name = exchange.exchange(name, topic=f"{topic}/name", ranks=ranks, rank=me, timeout=timeout,
                              setting=setting)[ranks[0]]
-    if rank != 0 and name is not None:
-        handle = library.ph_lr_open(name.encode(), 0, n, rank, SLOT_BYTES)
+    if me != ranks[0] and name is not None:
+        handle = attach(name.encode())
         if not handle:
             why = f"cannot map {name}: {os.strerror(ctypes.get_errno())}"
     mapped = exchange.exchange(bool(handle), topic=f"{topic}/mapped", ranks=ranks, rank=me, timeout=timeout,
                                setting=setting)
-    if rank == 0 and name is not None:
-        library.ph_lr_unlink(name.encode())
-    if not all(mapped.values()):
-        if handle:
-            library.ph_lr_close(handle)
-        failed = sorted(r for r, ok in mapped.items() if not ok)
-        reason = why or f"ranks {failed} could not make or map its shared memory"
-        warnings.warn(f"paddle_hybrid.local_ring: gloo group {ranks} keeps gloo's TCP path: {reason} "
-                      "(PADDLE_HYBRID_LOCAL_RING=0 silences this).", RuntimeWarning, stacklevel=2)
+    if me == ranks[0] and name is not None:
+        library().ph_lr_unlink(name.encode())
+    if all(mapped.values()):
+        return handle
+    if handle:
+        close(handle)
+    failed = sorted(r for r, ok in mapped.items() if not ok)
+    reason = why or f"ranks {failed} could not make or map its shared memory"
+    warnings.warn(f"paddle_hybrid.local_ring: {what} keeps gloo's TCP path: {reason} "
+                  "(PADDLE_HYBRID_LOCAL_RING=0 silences this).", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _open(group, timeout: float, setting: str):
+    """The group's ring (its segment made by group rank 0, see :func:`open_segment`), or None."""
+    import paddle.distributed as dist
+
+    lib, ranks, n = library(), list(group.ranks), group.nranks
+    handle = open_segment(ranks, dist.get_rank(), f"local_ring/{group.id}",
+                          lambda name: lib.ph_lr_open(name, 1, n, 0, SLOT_BYTES),
+                          lambda name: lib.ph_lr_open(name, 0, n, group.rank, SLOT_BYTES),
+                          lib.ph_lr_close, f"gloo group {ranks}", 2 * n * SLOT_BYTES, timeout, setting)
+    if handle is None:
         return None
-    return _Ring(library, handle, ranks, timeout, setting, _spin_seconds(int(os.environ.get("PADDLE_LOCAL_SIZE", n))))
+    return _Ring(handle, ranks, timeout, setting, spin_seconds(int(os.environ.get("PADDLE_LOCAL_SIZE", n))))
 
 
 def _close_all() -> None:

@@ -27,6 +27,8 @@ concern                                    what it fixes (details in the module'
 :mod:`paddle_hybrid.gloo.local_ring`      all_reduce, broadcast and all_gather of a one-node
                                            gloo group through shared memory, not TCP
                                            (``PADDLE_HYBRID_LOCAL_RING``, default on)
+:mod:`paddle_hybrid.gloo.local_p2p`       send/recv of a one-node gloo group through shared
+                                           memory, buffered (``PADDLE_HYBRID_LOCAL_P2P``)
 :mod:`.tensor_parallel`                    mp ops without CPU kernels (identity, split, concat,
                                            parallel cross entropy) and the input broadcast
 :mod:`.sharding`                           stage 1 V1/V2 buffers and gradients, group-sharded
@@ -54,7 +56,7 @@ registry skips them with a warning unless forced
 """
 from __future__ import annotations
 
-from ...gloo import deadline, errors, groups, kernels, local_ring, tcp_store
+from ...gloo import deadline, errors, groups, kernels, local_p2p, local_ring, tcp_store
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
 from . import (device_id, flex_checkpoint, p2p, recompute, sharding, synchronize, tensor_parallel, timers,
@@ -65,8 +67,8 @@ __all__ = ["COMPONENT", "apply", "is_active", "patched", "CONCERNS", "PatchSigna
 # Applied in this order: groups before p2p, which sends through them; p2p before virtual_pipeline,
 # which is only safe with p2p's ordering; the deadline and the named errors last, around the
 # groups every earlier concern may create.
-CONCERNS = (device_id, synchronize, tcp_store, groups, p2p, kernels, local_ring, tensor_parallel, sharding, recompute,
-            timers, flex_checkpoint, virtual_pipeline, deadline, errors)
+CONCERNS = (device_id, synchronize, tcp_store, groups, p2p, kernels, local_ring, local_p2p, tensor_parallel, sharding,
+            recompute, timers, flex_checkpoint, virtual_pipeline, deadline, errors)
 
 
 def apply(config, patcher: Patcher) -> None:

@@ -1,4 +1,4 @@
-"""A pipeline stage's tuple travels as one gloo message (``paddle_hybrid.dygraph.cpu.p2p``, part 3):
+"""A pipeline stage's tuple travels as one message (``paddle_hybrid.dygraph.cpu.p2p``, part 3):
 a 2-stage fleet pipeline that hands on (hidden float32, a second float32 that needs its gradient,
 int64 positions) trains bitwise equal with ``PADDLE_HYBRID_PIPELINE_FUSED_P2P`` on and off, losses
 and parameters on both ranks, and the first stage sends fewer messages: per microbatch one forward
