@@ -13,12 +13,15 @@ launch to first step is measured from just before the launcher starts to the end
     python benchmarks/bench_trainer.py --steps 30 --layouts one tp2
     python benchmarks/bench_trainer.py --local-ring-off     # beside each layout: gloo's TCP path
     python benchmarks/bench_trainer.py --local-p2p-off --layouts pp2   # p2p alone on gloo
+    python benchmarks/bench_trainer.py --warm-start-off       # beside each layout: workers start cold
 
 ``--local-ring-off`` adds, after each multi-process layout, the same run with
 ``PADDLE_HYBRID_LOCAL_RING=0 PADDLE_HYBRID_LOCAL_P2P=0`` (collectives and send/recv on gloo's TCP
 pairs, as before the shared-memory paths); ``--local-p2p-off`` one with only
 ``PADDLE_HYBRID_LOCAL_P2P=0`` (send/recv on gloo, collectives through shared memory): the default
-first, the others beside it, in one run.
+first, the others beside it, in one run.  ``--warm-start-off`` adds one with
+``PADDLE_HYBRID_WARM_START=0`` (each worker imports Paddle after the launcher has: start-up as
+before :mod:`paddle_hybrid.launch.warm_start`).
 
 Prints a table and writes ``benchmarks/results/trainer.json``.  Needs PaddleFormers 1.2.0
 (``PADDLE_HYBRID_EXTRAS=paddleformers source scripts/env.sh``).
@@ -81,6 +84,8 @@ def main(argv=None):
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--local-ring-off", action="store_true",
                    help="also run each multi-process layout with PADDLE_HYBRID_LOCAL_RING=0 PADDLE_HYBRID_LOCAL_P2P=0")
+    p.add_argument("--warm-start-off", action="store_true",
+                   help="also run each multi-process layout with PADDLE_HYBRID_WARM_START=0")
     p.add_argument("--local-p2p-off", action="store_true",
                    help="also run each multi-process layout with PADDLE_HYBRID_LOCAL_P2P=0")
     args = p.parse_args(argv)
@@ -94,6 +99,9 @@ def main(argv=None):
             rows[name] = run_layout(work, model, name, args.steps)
             if LAYOUTS[name][0] == 1:
                 continue
+            if args.warm_start_off:
+                rows[f"{name} cold"] = run_layout(work, model, f"{name} cold", args.steps,
+                                                  {"PADDLE_HYBRID_WARM_START": "0"})
             if args.local_p2p_off:
                 rows[f"{name} p2p-off"] = run_layout(work, model, f"{name} p2p-off", args.steps,
                                                      {"PADDLE_HYBRID_LOCAL_P2P": "0"})
@@ -109,7 +117,7 @@ def main(argv=None):
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "trainer.json"), "w") as f:
         json.dump({"config": {"steps": args.steps, "local_ring_off_rows": args.local_ring_off,
-                              "local_p2p_off_rows": args.local_p2p_off,
+                              "local_p2p_off_rows": args.local_p2p_off, "warm_start_off_rows": args.warm_start_off,
                               "micro_batch": MICRO_BATCH, "accumulate": ACCUMULATE, "seq_length": SEQ, "model": "examples/paddleformers_trainer.py TINY"},
                    "layouts": rows}, f, indent=1)
 

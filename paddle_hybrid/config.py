@@ -144,6 +144,11 @@ class PluginConfig:
     through shared memory, buffered, instead of gloo's rendezvous over TCP
     (:mod:`paddle_hybrid.gloo.local_p2p`; part of the ``cpu`` component) (``PADDLE_HYBRID_LOCAL_P2P``)."""
 
+    warm_start: bool = setting(True, "switch")
+    """``python -m paddle_hybrid.launch`` starts one process per local worker at its first line, which
+    imports Paddle while the launcher imports its own, and hands each worker's command to one
+    (:mod:`paddle_hybrid.launch.warm_start`, which says when it does not) (``PADDLE_HYBRID_WARM_START``)."""
+
     pipeline_fused_p2p: bool = setting(True, "switch")
     """On gloo, a pipeline stage's tuple of tensors travels to the next stage (and its gradients
     back) as one message of their bytes instead of one message a tensor

@@ -118,16 +118,19 @@ def omp_threads(cores: int, processes: int) -> int:
     return max(1, cores // max(1, processes))
 
 
-def launch_environment(args, environ) -> dict[str, str]:
-    """Variables to add to the workers' environment (never overriding one already set)."""
+def launch_environment(args, environ, config=None) -> dict[str, str]:
+    """Variables to add to the workers' environment (never overriding one already set), under
+    ``config`` (default: the plugin as installed in this process, else as the environment says)."""
     out = {}
     if "OMP_NUM_THREADS" not in environ:
         out["OMP_NUM_THREADS"] = str(omp_threads(usable_cores(), processes_per_node(args, environ)))
-    from ..catalog.install import current_config
     from ..config import PluginConfig
     from ..cpu_blas import worker_environment
 
-    config = current_config() or PluginConfig.from_env()  # the launcher's own process: the plugin as installed
+    if config is None:
+        from ..catalog.install import current_config
+
+        config = current_config() or PluginConfig.from_env()
     for key, value in worker_environment(environ, config=config).items():
         out.setdefault(key, value)
     return out
@@ -136,12 +139,32 @@ def launch_environment(args, environ) -> dict[str, str]:
 def environ_as_the_user_set_it() -> dict[str, str]:
     """``os.environ`` without the ``OMP_NUM_THREADS=1`` that ``import paddle`` adds when the
     user has not set it (see :mod:`paddle_hybrid.launch.env_at_start`)."""
-    from ..registry import env_at_start as _env_at_start
+    from . import env_at_start as _env_at_start
 
     environ = dict(os.environ)
     if not _env_at_start.PADDLE_WAS_IMPORTED and _env_at_start.OMP_NUM_THREADS is None:
         environ.pop("OMP_NUM_THREADS", None)
     return environ
+
+
+def start_waiting_workers(argv: list[str]) -> None:
+    """At the launcher's first line, before Paddle is imported: start the processes that import
+    Paddle for the workers meanwhile (:mod:`.warm_start`), under the environment the workers
+    will get (this module's additions included: computed now as :func:`main` computes them later;
+    where the two differ the workers start as before)."""
+    import types
+
+    from ..config import PluginConfig
+    from . import warm_start
+
+    config = PluginConfig.from_env()
+    environ = environ_as_the_user_set_it()
+    count = warm_start.early_worker_count(argv, environ)
+    if count is None or not config.warm_start:
+        return
+    args = types.SimpleNamespace(nproc_per_node=count, devices=None)
+    extra = launch_environment(args, environ, config=config)
+    warm_start.start_early(count, {**os.environ, **extra})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(launch_environment(args, environ_as_the_user_set_it()))
     from paddle.distributed.launch.main import launch
 
+    from . import warm_start
     from .exit_code import root_cause_exit_code
 
     sys.argv = [sys.argv[0], *new_argv]
-    with root_cause_exit_code():
+    with warm_start.handing_over(warm_start.POOL), root_cause_exit_code():
         launch()

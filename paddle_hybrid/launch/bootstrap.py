@@ -34,12 +34,15 @@ import json
 import os
 import runpy
 import signal
+import socket
+import struct
 import sys
 import time
 
 RECORD_DIR = "PADDLE_HYBRID_LAUNCH_RECORDS"
 REASON_LIMIT = 300  # characters of a reason
 STACK_SIGNAL = signal.SIGUSR2
+STARTED_VARIABLE = "PADDLE_HYBRID_WARM_STARTED"  # set in a worker that was a waiting process
 
 
 def _first_line(message: str) -> str:
@@ -152,7 +155,70 @@ def _import_plugin() -> None:
         sys.path.remove(root)
 
 
+# -- a waiting process (paddle_hybrid.launch.warm_start) ---------------------------------------
+
+# -- framing over the socket -------------------------------------------------------------------
+
+def send_frame(sock: socket.socket, payload: dict, fds: list | None = None) -> None:
+    """One JSON message, its length first; ``fds`` travel with its first bytes (SCM_RIGHTS)."""
+    data = json.dumps(payload).encode()
+    frame = struct.pack("!I", len(data)) + data
+    sent = socket.send_fds(sock, [frame], fds) if fds else sock.send(frame)
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+
+
+def receive_frame(sock: socket.socket, maxfds: int = 0):
+    """``(payload, fds)`` of the next message, or ``(None, [])`` at the end of the stream."""
+    if maxfds:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 65536, maxfds)
+    else:
+        data, fds = sock.recv(65536), []
+    if not data:
+        return None, fds
+    while len(data) < 4:
+        more = sock.recv(65536)
+        if not more:
+            return None, fds
+        data += more
+    (length,) = struct.unpack("!I", data[:4])
+    data = data[4:]
+    while len(data) < length:
+        more = sock.recv(max(65536, length - len(data)))
+        if not more:
+            return None, fds
+        data += more
+    return json.loads(data[:length]), fds
+
+
+def wait_and_take_over(fd: int) -> list:
+    """In ``bootstrap.py --warm FD``: import Paddle, say so, wait for a worker's command and take it
+    on (environment, directory, standard output and error); its arguments (``[bootstrap, SCRIPT,
+    ARGS...]``) returned.  Exits quietly when the launcher goes without sending one."""
+    sock = socket.socket(fileno=fd)
+    try:
+        import paddle  # noqa: F401  (the point: done while the launcher imports its own)
+    except BaseException as exc:  # noqa: BLE001  (the launcher starts the worker as before; it will say why)
+        send_frame(sock, {"ok": False, "error": repr(exc)})
+        os._exit(1)
+    send_frame(sock, {"ok": True, "environ": dict(os.environ)})
+    job, fds = receive_frame(sock, maxfds=2)
+    if job is None:
+        os._exit(0)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.environ[STARTED_VARIABLE] = "1"
+    os.chdir(job["cwd"])
+    for target, fd_ in zip((1, 2), fds):
+        os.dup2(fd_, target)
+        os.close(fd_)
+    sock.close()
+    return job["argv"]
+
+
 def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] == "--warm":
+        sys.argv = wait_and_take_over(int(sys.argv[2]))
     if len(sys.argv) < 2:
         sys.exit("usage: python -m paddle_hybrid.launch [launcher arguments] script.py [script arguments]")
     script = sys.argv[1]

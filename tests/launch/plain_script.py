@@ -8,12 +8,14 @@
 after ``--hold`` seconds (so that they are still running when the launcher sees the failure).
 
 Every rank writes ``rank<N>.json`` into ``--out``: the losses, and what the process saw before
-its first line (was the plugin already imported?), ``__name__``, ``sys.argv``, ``sys.path[0]``
-and ``OMP_NUM_THREADS``.
+its first line (were the plugin and Paddle already imported?), ``__name__``, ``sys.argv``,
+``sys.path[0]``, the directory, the parent's pid and the environment; and a line to stdout and one to
+stderr (the worker's log).
 """
 import sys
 
 PLUGIN_BEFORE_FIRST_LINE = "paddle_hybrid" in sys.modules
+PADDLE_BEFORE_FIRST_LINE = "paddle" in sys.modules
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -67,7 +69,11 @@ def main() -> None:
     args = parser.parse_args()
     result = {"plugin_before_first_line": PLUGIN_BEFORE_FIRST_LINE, "name": __name__, "argv": sys.argv,
               "path0": sys.path[0], "omp": os.environ.get("OMP_NUM_THREADS"), "file": __file__,
-              "mkl_env": os.environ.get("MKL_DEBUG_CPU_TYPE")}
+              "mkl_env": os.environ.get("MKL_DEBUG_CPU_TYPE"), "cwd": os.getcwd(), "ppid": os.getppid(),
+              "environ": dict(os.environ), "paddle_before_first_line": PADDLE_BEFORE_FIRST_LINE}
+    print(f"plain_script: rank {_rank()} to stdout (warm: {os.environ.get('PADDLE_HYBRID_WARM_STARTED')})",
+          flush=True)
+    print(f"plain_script: rank {_rank()} to stderr", file=sys.stderr, flush=True)
     if PLUGIN_BEFORE_FIRST_LINE:  # what the plugin's cpu_blas component saw at its start
         state = sys.modules["paddle_hybrid.catalog.install"].component_state("cpu_blas")
         result["cpu_blas"] = [state.status, state.reason]
