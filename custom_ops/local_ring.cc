@@ -239,15 +239,20 @@ void ph_lr_close(void* handle) {
   delete ring;
 }
 
-// In place: `count` elements of `dtype` at `ptr`, reduced with `reduce_op` (0 sum, 1 max,
-// 2 min, 3 prod) over the ring.  Returns 0, or the WaitAll code with *missing set.
-int ph_lr_all_reduce(void* handle, void* ptr, uint64_t count, int dtype, int reduce_op, double timeout_s,
-                     double spin_s, int* missing) {
-  Ring* ring = static_cast<Ring*>(handle);
+}  // extern "C"
+
+namespace {
+
+// `count` elements of `dtype` at `ptr`, reduced with `reduce_op` (0 sum, 1 max, 2 min, 3 prod) over
+// the ring into `ptr` of ring rank `root`, or of every rank when `root` is -1; the others' `ptr`
+// is left as it was.  Returns 0, or the WaitAll code with *missing set.
+int ReduceOver(Ring* ring, void* ptr, uint64_t count, int dtype, int reduce_op, int root, double timeout_s,
+               double spin_s, int* missing) {
   const size_t element = ElementSize(dtype);
-  if (element == 0 || reduce_op < 0 || reduce_op > 3) return -3;
+  if (element == 0 || reduce_op < 0 || reduce_op > 3 || root < -1 || root >= ring->nranks) return -3;
   const size_t per_chunk = ring->slot_bytes / element;
   char* bytes = static_cast<char*>(ptr);
+  const bool keeps = root < 0 || root == ring->rank;
   for (size_t done = 0; done < count || (count == 0 && done == 0);) {
     const size_t n = count - done < per_chunk ? count - done : per_chunk;
     const uint64_t op = ++ring->op;
@@ -256,18 +261,37 @@ int ph_lr_all_reduce(void* handle, void* ptr, uint64_t count, int dtype, int red
     const int status = WaitAll(ring, op, timeout_s, spin_s, missing);
     if (status != 0) return status;
     void* out = bytes + done * element;
-    switch (dtype) {
-      case 0: Reduce(static_cast<float*>(out), ring, op, n, reduce_op); break;
-      case 1: Reduce(static_cast<double*>(out), ring, op, n, reduce_op); break;
-      case 2: Reduce(static_cast<int32_t*>(out), ring, op, n, reduce_op); break;
-      case 3: Reduce(static_cast<int64_t*>(out), ring, op, n, reduce_op); break;
-      case 4: Reduce(static_cast<uint8_t*>(out), ring, op, n, reduce_op); break;
-      default: Reduce(static_cast<int8_t*>(out), ring, op, n, reduce_op); break;
+    if (keeps) {
+      switch (dtype) {
+        case 0: Reduce(static_cast<float*>(out), ring, op, n, reduce_op); break;
+        case 1: Reduce(static_cast<double*>(out), ring, op, n, reduce_op); break;
+        case 2: Reduce(static_cast<int32_t*>(out), ring, op, n, reduce_op); break;
+        case 3: Reduce(static_cast<int64_t*>(out), ring, op, n, reduce_op); break;
+        case 4: Reduce(static_cast<uint8_t*>(out), ring, op, n, reduce_op); break;
+        default: Reduce(static_cast<int8_t*>(out), ring, op, n, reduce_op); break;
+      }
     }
     if (count == 0) break;
     done += n;
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// In place on every rank: see ReduceOver.
+int ph_lr_all_reduce(void* handle, void* ptr, uint64_t count, int dtype, int reduce_op, double timeout_s,
+                     double spin_s, int* missing) {
+  return ReduceOver(static_cast<Ring*>(handle), ptr, count, dtype, reduce_op, -1, timeout_s, spin_s, missing);
+}
+
+// Into ring rank `root` only (gloo leaves scratch in the others' tensors; here they keep theirs).
+int ph_lr_reduce(void* handle, void* ptr, uint64_t count, int dtype, int reduce_op, int root, double timeout_s,
+                 double spin_s, int* missing) {
+  if (root < 0) return -3;
+  return ReduceOver(static_cast<Ring*>(handle), ptr, count, dtype, reduce_op, root, timeout_s, spin_s, missing);
 }
 
 // `nbytes` at `ptr` from ring rank `root` to every rank, in place.

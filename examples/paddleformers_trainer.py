@@ -20,7 +20,8 @@ Other model families of PaddleFormers: ``write-tiny-model PATH --family ernie4_5
 ``ernie4_5``, ``phi3``, ``gpt_oss``, ``gemma3_text``, ``deepseek_v3``, ``qwen3``): the same tiny
 sizes; the model is loaded through PaddleFormers' ``AutoModelForCausalLM`` (``...Pipe`` with a
 pipeline), as a user's script would.  ``--untied``: an output layer of its own instead of the
-embedding's (``tie_word_embeddings=False``).
+embedding's (``tie_word_embeddings=False``).  ``--size small``: a model big enough that a step is
+arithmetic more than Python (hidden 256, 4 layers, vocabulary 1024; the benchmarks' second size).
 
 Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length`` and
 ``--num_samples`` (:class:`ModelDataArguments`).  Saving (``--save_steps``) writes the Trainer's
@@ -52,6 +53,11 @@ class ModelDataArguments:
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=64)
 
+# A model where a step is arithmetic more than per-operator Python (``write-tiny-model --size small``).
+SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=8, max_position_embeddings=256)
+SIZES = {"tiny": TINY, "small": SMALL}
+
 # Families whose sdpa attention is flash-attention only (a GPU): eager attention on CPU.
 EAGER_ONLY = ("gpt_oss",)
 
@@ -77,20 +83,24 @@ def cpu_model_settings() -> dict:
                 fuse_swiglu=False, use_fused_head_and_loss_fn=False, _attn_implementation="sdpa")
 
 
-def write_tiny_model(path: str, seed: int = 42, family: str = "llama", tie_embeddings: bool = True) -> None:
-    """A random-init one-process model of ``family`` saved with ``save_pretrained``: the
-    "pretrained" model every layout starts from, so every layout starts from the same weights."""
+def write_tiny_model(path: str, seed: int = 42, family: str = "llama", tie_embeddings: bool = True,
+                     size: str = "tiny") -> None:
+    """A random-init one-process model of ``family`` (sizes ``SIZES[size]``) saved with
+    ``save_pretrained``: the "pretrained" model every layout starts from, so every layout starts
+    from the same weights."""
     import importlib
 
     import paddle
 
     if family not in FAMILIES:
         raise SystemExit(f"--family {family!r}: one of {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise SystemExit(f"--size {size!r}: one of {', '.join(SIZES)}")
     module, config_name, model_name, own = FAMILIES[family]
     classes = importlib.import_module(f"paddleformers.transformers.{module}")
     paddle.set_device("cpu")
     paddle.seed(seed)
-    settings = {**TINY, "dtype": "float32", "pad_token_id": None, **cpu_model_settings(), **own}
+    settings = {**SIZES[size], "dtype": "float32", "pad_token_id": None, **cpu_model_settings(), **own}
     if not tie_embeddings:
         settings["tie_word_embeddings"] = False
     config = getattr(classes, config_name)(**settings)
@@ -171,7 +181,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["write-tiny-model"]:
         family = argv[argv.index("--family") + 1] if "--family" in argv else "llama"
-        write_tiny_model(argv[1], family=family, tie_embeddings="--untied" not in argv)
+        size = argv[argv.index("--size") + 1] if "--size" in argv else "tiny"
+        write_tiny_model(argv[1], family=family, tie_embeddings="--untied" not in argv, size=size)
         return
     import paddle
     import paddle_hybrid  # noqa: F401  (gloo collectives and the CPU fixes; the launcher imports it too)

@@ -1,5 +1,5 @@
-"""Same-host collectives over shared memory: ``all_reduce``, ``broadcast`` and ``all_gather`` of a
-gloo group whose ranks all run on this machine.
+"""Same-host collectives over shared memory: ``all_reduce``, ``reduce``, ``broadcast`` and
+``all_gather`` of a gloo group whose ranks all run on this machine.
 
 Why: gloo on CPU moves every message through a TCP pair on loopback, handed from gloo's loop thread
 to the caller; in a VM each hand-off is a wake-up of another thread.  A small all_reduce costs
@@ -7,20 +7,21 @@ to the caller; in a VM each hand-off is a wake-up of another thread.  A small al
 them a step: PaddleFormers' TP2 spent 61 ms of a 66-87 ms step in collectives.  Through shared
 memory the same all_reduce is a copy in, a counter, a wait and a sum (:file:`custom_ops/local_ring.cc`).
 
-What: Paddle's Python collectives (``paddle.distributed.all_reduce``, ``broadcast``, ``all_gather``
-and the ``stream`` variants, which fleet's TP/SP layers, the plugin's CPU paths, data parallelism
-and sharding call) take this path for a gloo group when
+What: Paddle's Python collectives (``paddle.distributed.all_reduce``, ``reduce``, ``broadcast``,
+``all_gather`` and the ``stream`` variants, which fleet's TP/SP layers, the plugin's CPU paths,
+data parallelism and sharding call) take this path for a gloo group when
 
 * the job runs on one node (``PADDLE_NNODES`` 1, or as many local ranks as ranks in all),
 * this rank is a member of a group of 2..64 ranks,
 * the tensor is a dense, contiguous CPU tensor (a DistTensor is refused by :mod:`.errors`), and
-* for ``all_reduce``: SUM, MAX, MIN or PROD of float32/64, int32/64, uint8 or int8
+* for ``all_reduce`` and ``reduce``: SUM, MAX, MIN or PROD of float32/64, int32/64, uint8 or int8
   (``AVG``, bool, half precision and the rest go to gloo, decided by dtype and op only, so every
   rank of a correct program decides alike).
 
 Anything else goes to gloo unchanged.  Each rank reduces the ranks' parts in rank order: the ranks
 hold bitwise the same result; for two ranks it is bitwise gloo's (a + b); for more, the sum is in
-another order than gloo's ring.  A call is synchronous and returns a finished task.
+another order than gloo's ring.  ``reduce`` leaves the other ranks' tensors as they were (gloo
+leaves its scratch there).  A call is synchronous and returns a finished task.
 
 Waits: a short spin when this node's ranks do not outnumber its cores and those are otherwise idle
 (then a partner arriving within ~0.2 ms costs no sleep), else straight to a futex; every wait obeys the group's deadline
@@ -59,7 +60,7 @@ _DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4, "int8
 # again under the same id is another group.
 _rings: dict = {}
 _lock = threading.Lock()
-_calls = {"all_reduce": 0, "broadcast": 0, "all_gather": 0}
+_calls = {"all_reduce": 0, "reduce": 0, "broadcast": 0, "all_gather": 0}
 
 
 def calls() -> dict:
@@ -90,6 +91,8 @@ def library():
     common = [ctypes.c_double, ctypes.c_double, ctypes.POINTER(ctypes.c_int)]
     lib.ph_lr_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int,
                                      *common]
+    lib.ph_lr_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_int, *common]
     lib.ph_lr_broadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, *common]
     lib.ph_lr_all_gather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, *common]
     lib.ph_lp_open.restype = ctypes.c_void_p
@@ -304,6 +307,21 @@ def _make_all_reduce(original, config):
     return _all_reduce_in_dygraph
 
 
+def _make_reduce(original, config):
+    @functools.wraps(original)
+    def _reduce_in_dygraph(tensor, dst_rank_in_group, op, group, sync_op, use_calc_stream):
+        code, dtype = _reduce_code(op), _DTYPES.get(_dtype_name(tensor))
+        if code is not None and dtype is not None and _dense_cpu(tensor):
+            group_ = _group(group)
+            ring = _ring(group_, config, "reduce")
+            if ring is not None and 0 <= dst_rank_in_group < group_.nranks:
+                return ring.run("reduce", ring.library.ph_lr_reduce, tensor.data_ptr(), tensor._numel(), dtype, code,
+                                dst_rank_in_group)
+        return original(tensor, dst_rank_in_group, op, group, sync_op, use_calc_stream)
+
+    return _reduce_in_dygraph
+
+
 def _make_broadcast(original, config):
     @functools.wraps(original)
     def _broadcast_in_dygraph(tensor, src_rank_in_group, group, sync_op, use_calc_stream):
@@ -367,13 +385,14 @@ def apply(config, patcher) -> str | None:
 
     where = "paddle.distributed.communication.stream"
     # the modules, not the functions of the same names the package exports
-    all_reduce, broadcast, all_gather = (importlib.import_module(f"{where}.{name}")
-                                         for name in ("all_reduce", "broadcast", "all_gather"))
+    all_reduce, reduce, broadcast, all_gather = (importlib.import_module(f"{where}.{name}")
+                                                 for name in ("all_reduce", "reduce", "broadcast", "all_gather"))
     for module, name, make in ((all_reduce, "_all_reduce_in_dygraph", _make_all_reduce),
+                               (reduce, "_reduce_in_dygraph", _make_reduce),
                                (broadcast, "_broadcast_in_dygraph", _make_broadcast),
                                (all_gather, "_all_gather_into_tensor_in_dygraph", _make_all_gather_into_tensor),
                                (all_gather, "_all_gather_in_dygraph", _make_all_gather)):
         original = patcher.require(module, name, f"{where}.{module.__name__.rsplit('.', 1)[-1]}")
         patcher.set(module, name, make(original, config))
     patcher.on_revert(_close_all, "the shared-memory rings of this process")
-    return "same-host gloo collectives (all_reduce, broadcast, all_gather) through shared memory"
+    return "same-host gloo collectives (all_reduce, reduce, broadcast, all_gather) through shared memory"

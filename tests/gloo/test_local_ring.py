@@ -28,8 +28,8 @@ def run(nprocs, ring, case="values", timeout_s="60"):
 
 def test_two_ranks_equal_gloo_bitwise():
     on, off = run(2, True), run(2, False)
-    assert on[0]["calls"] == {"all_reduce": 33, "broadcast": 6, "all_gather": 3}  # float16 and the slice: gloo
-    assert off[0]["calls"] == {"all_reduce": 0, "broadcast": 0, "all_gather": 0}
+    assert on[0]["calls"] == {"all_reduce": 33, "reduce": 8, "broadcast": 6, "all_gather": 3}  # float16, slice: gloo
+    assert off[0]["calls"] == {"all_reduce": 0, "reduce": 0, "broadcast": 0, "all_gather": 0}
     for a, b in zip(on, off):
         assert a["values"].keys() == b["values"].keys()
         for key, value in a["values"].items():
@@ -80,6 +80,30 @@ def test_three_ranks_agree_and_sum_in_rank_order():
         np.testing.assert_array_equal(r["values"]["sub/broadcast"], _part([5], "float32", 13))
         np.testing.assert_array_equal(r["values"]["sub/all_gather"], np.stack([_part([5], "float32", 13)] * 2))
         np.testing.assert_array_equal(r["values"]["sub/all_reduce"], off[r["rank"]]["values"]["sub/all_reduce"])
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_reduce_to_each_rank(nprocs):
+    """The destination holds the parts combined in rank order (NumPy, exactly; for two ranks
+    bitwise gloo's); every other rank keeps its own tensor (gloo leaves its scratch there)."""
+    on, off = run(nprocs, True), run(nprocs, False)
+    for key in on[0]["reduce"]:
+        op, dtype, size, dst = key.split("/")
+        combine = {"sum": np.add, "max": np.maximum, "prod": np.multiply}[op]
+        expected = on[0]["reduce"][key][0]
+        for r in on[1:]:
+            expected = combine(expected, r["reduce"][key][0])
+        for r in on:
+            given, held = r["reduce"][key]
+            if r["rank"] == int(dst):
+                np.testing.assert_array_equal(held, expected, err_msg=key)
+                gloo = off[r["rank"]]["reduce"][key][1]
+                if nprocs == 2 or dtype == "int64":
+                    np.testing.assert_array_equal(held, gloo, err_msg=key)
+                else:
+                    np.testing.assert_allclose(held, gloo, rtol=1e-6, atol=1e-6, err_msg=key)
+            else:
+                np.testing.assert_array_equal(held, given, err_msg=f"rank {r['rank']} {key}")
 
 
 def test_a_rank_that_never_arrives_is_named_at_the_deadline():

@@ -1,7 +1,7 @@
 """One rank of the shared-memory collectives check (``paddle_hybrid.gloo.local_ring``).
 
 CASE=values: all_reduce (SUM / MAX / MIN / PROD of float32, float64, int64 with 1, 7 and 600000
-elements, the last in chunks; float16 takes gloo's path), broadcast (float32, bool, float16, from
+elements, the last in chunks; float16 takes gloo's path), reduce to each rank, broadcast (float32, bool, float16, from
 each rank), all_gather (a list, a given list, into a tensor), a group of all ranks but the first,
 a non-contiguous slice (gloo's path: refused), then one all_reduce after
 ``paddle_hybrid.uninstall()``; each result and the path taken saved.  CASE=no_shm: a segment
@@ -28,6 +28,19 @@ def part(shape, dtype, seed):
     if dtype.startswith("int"):
         return rng.randint(-50, 50, size=shape).astype(dtype)
     return rng.uniform(-2, 2, size=shape).astype(dtype)
+
+
+def reduces(rank, world):
+    """``reduce`` to each rank: ``{"<op>/<dtype>/<size>/<dst>": (this rank's input, what it holds after)}``."""
+    out = {}
+    for dtype, name, op, size in (("float32", "sum", dist.ReduceOp.SUM, 7), ("float32", "sum", dist.ReduceOp.SUM, 600000),
+                                  ("int64", "max", dist.ReduceOp.MAX, 7), ("float32", "prod", dist.ReduceOp.PROD, 7)):
+        for dst in range(world):
+            given = part([size], dtype, 100 * rank + size + dst)
+            x = paddle.to_tensor(given)
+            dist.reduce(x, dst=dst, op=op)
+            out[f"{name}/{dtype}/{size}/{dst}"] = (given, x.numpy())
+    return out
 
 
 def values(rank, world):
@@ -86,6 +99,7 @@ def main():
     result = {"rank": rank, "world": world}
     if CASE == "values":
         result["values"] = values(rank, world)
+        result["reduce"] = reduces(rank, world)
         # uninstalled: the rings are unmapped and collectives are gloo's again
         result["rings_before_uninstall"] = len(local_ring._rings)
         paddle_hybrid.uninstall()
