@@ -30,6 +30,9 @@ Semantics, against gloo's:
   or :class:`~.errors.GlooPeerLostError` at once when the peer's process is gone.  A call returns a
   finished task, as gloo's does.
 
+``batch_isend_irecv``: its ops run here as they are posted; the process group's coalescing around
+them gets only its own tasks (:func:`_make_coalescing_manager`).
+
 Mixing: a message one end sends through this path and the other receives through the process
 group's own ``send``/``recv`` (not through ``paddle.distributed``) would not meet; Paddle's
 dygraph p2p goes through ``paddle.distributed`` on both ends.
@@ -39,6 +42,7 @@ component (CPU builds only).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -199,6 +203,25 @@ def _make_recv(original, config):
     return _recv_in_dygraph
 
 
+def _make_coalescing_manager(original):
+    """``batch_isend_irecv`` wraps its ops in the process group's coalescing and hands the tasks
+    to ``_end_coalescing``, which takes only the process group's own tasks: the finished tasks of
+    this path are left out of that list (their work is done; the caller still waits on them)."""
+
+    @contextlib.contextmanager
+    def _coalescing_manager(group, tasks=None):
+        if tasks is None:
+            with original(group, tasks):
+                yield
+            return
+        own = []
+        with original(group, own):
+            yield
+            own.extend(t for t in tasks if not isinstance(t, local_ring._Done))
+
+    return _coalescing_manager
+
+
 def apply(config, patcher) -> str | None:
     """Phase: route the dygraph send/recv of one-node gloo groups through shared memory."""
     if not getattr(config, "local_p2p", True) or not local_ring.eligible_job():
@@ -210,5 +233,8 @@ def apply(config, patcher) -> str | None:
     for module, name, make in ((send, "_send_in_dygraph", _make_send), (recv, "_recv_in_dygraph", _make_recv)):
         original = patcher.require(module, name, f"{where}.{module.__name__.rsplit('.', 1)[-1]}")
         patcher.set(module, name, make(original, config))
+    batch = importlib.import_module("paddle.distributed.communication.batch_isend_irecv")
+    original = patcher.require(batch, "_coalescing_manager", "paddle.distributed.communication.batch_isend_irecv")
+    patcher.set(batch, "_coalescing_manager", _make_coalescing_manager(original))
     patcher.on_revert(_close_all, "the shared-memory point-to-point segments of this process")
     return "same-host gloo send/recv through shared memory (buffered)"

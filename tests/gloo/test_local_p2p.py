@@ -41,13 +41,15 @@ def test_two_ranks_equal_gloo_bitwise_and_what_was_sent():
             np.testing.assert_array_equal(a["values"][key], _message(kind, peer), err_msg=key)
             np.testing.assert_array_equal(a["values"][key], b["values"][key], err_msg=key)
         np.testing.assert_array_equal(a["values"][f"isend/{rank}<-{peer}"], _message("f32_16", peer))
+        np.testing.assert_array_equal(a["values"][f"batch/{rank}<-{peer}"], _message("f32_16", peer))
+        np.testing.assert_array_equal(b["values"][f"batch/{rank}<-{peer}"], _message("f32_16", peer))
         np.testing.assert_array_equal(a["values"][f"ring/{rank}<-{peer}"], _message("f32_16", peer))
         # gloo refuses a non-contiguous send; here it arrives, into every other row
         expected = np.zeros([6, 3], dtype="float32")
         expected[[1, 4]] = (np.arange(6, dtype="float32").reshape([3, 2]) + 10 * peer).T
         np.testing.assert_array_equal(a["values"][f"strided/{rank}<-{peer}"], expected)
         assert b["values"][f"strided/{rank}<-{peer}"].dtype.kind == "U"  # an error's name on gloo
-        assert a["calls"] == {"send": 9, "recv": 9} and b["calls"] == {"send": 0, "recv": 0}
+        assert a["calls"] == {"send": 10, "recv": 10} and b["calls"] == {"send": 0, "recv": 0}
 
 
 def test_three_ranks_and_a_group_of_two():

@@ -2,7 +2,7 @@
 
 CASE=values: messages between neighbours in an order gloo completes too (even ranks send first):
 float32 of 16 and 600000 elements (the second longer than a lane: it streams), int64, bool,
-float16, zero elements, ``isend``/``irecv`` tasks, a transposed (non-contiguous) send into a
+float16, zero elements, ``isend``/``irecv`` tasks, ``batch_isend_irecv``, a transposed (non-contiguous) send into a
 strided view; with 3 ranks also a group of ranks 1 and 2 (group ranks are not global ranks); with
 the shared-memory path, also every rank sending to the next before receiving (gloo's send waits
 for the receive: that order times out there); each received value and the path taken saved.
@@ -74,6 +74,12 @@ def values(rank, world):
         for task in tasks:
             task.wait()
         out[f"isend/{rank}<-{peer}"] = got.numpy()
+        # batch_isend_irecv: the process group's coalescing around the ops
+        got = paddle.zeros([16])
+        ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, got, peer)]
+        for task in dist.batch_isend_irecv(ops if rank % 2 == 0 else ops[::-1]):
+            task.wait()
+        out[f"batch/{rank}<-{peer}"] = got.numpy()
         # a transposed tensor sent, received into every other row of a larger one
         base = paddle.zeros([6, 3])
         sent = paddle.to_tensor(np.arange(6, dtype="float32").reshape([3, 2]) + 10 * rank).T
