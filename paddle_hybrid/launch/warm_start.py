@@ -168,7 +168,10 @@ def _option(argv: list, name: str):
 
 def early_worker_count(argv: list, environ) -> int | None:
     """How many workers this node will start, when the arguments say it without Paddle's parser
-    and the job is one launcher on one node; else None (no waiting processes)."""
+    and the job is one launcher on one node; else None (no waiting processes).  None also where
+    descriptors cannot be handed over a Unix socket (not POSIX)."""
+    if os.name != "posix" or not hasattr(socket, "send_fds"):
+        return None
     if any(_option(argv, flag) is not None for flag in ("--max_restart", "--master")):
         return None
     nnodes = environ.get("PADDLE_NNODES") or _option(argv, "--nnodes")
@@ -183,9 +186,17 @@ def early_worker_count(argv: list, environ) -> int | None:
 
 def start_early(count: int, environ: dict) -> None:
     """At the launcher's first line: start ``count`` waiting processes under the environment the
-    workers will get (``environ``, the launcher's own additions included)."""
+    workers will get (``environ``, the launcher's own additions included).  If they cannot be
+    started (no process or socket left), the workers start as before, with a warning."""
     global POOL
-    POOL = WarmPool(count, environ)
+    try:
+        POOL = WarmPool(count, environ)
+    except OSError as exc:
+        import warnings
+
+        warnings.warn(f"paddle_hybrid.launch: no warm start ({exc}); the workers start as before "
+                      "(PADDLE_HYBRID_WARM_START=0 silences this).", RuntimeWarning, stacklevel=2)
+        POOL = None
 
 
 @contextlib.contextmanager
