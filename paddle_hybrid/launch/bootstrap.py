@@ -198,12 +198,15 @@ def wait_and_take_over(fd: int) -> list:
     sock = socket.socket(fileno=fd)
     try:
         import paddle  # noqa: F401  (the point: done while the launcher imports its own)
+        ready = {"ok": True, "environ": dict(os.environ)}
     except BaseException as exc:  # noqa: BLE001  (the launcher starts the worker as before; it will say why)
-        send_frame(sock, {"ok": False, "error": repr(exc)})
-        os._exit(1)
-    send_frame(sock, {"ok": True, "environ": dict(os.environ)})
-    job, fds = receive_frame(sock, maxfds=2)
-    if job is None:
+        ready = {"ok": False, "error": repr(exc)}
+    try:
+        send_frame(sock, ready)
+        job, fds = receive_frame(sock, maxfds=2) if ready["ok"] else (None, [])
+    except OSError:  # the launcher is gone
+        job, fds = None, []
+    if job is None:  # not needed, or the launcher is gone: leave quietly
         os._exit(0)
     os.environ.clear()
     os.environ.update(job["env"])

@@ -103,6 +103,19 @@ def test_a_waiting_process_runs_the_bootstrap_command_handed_to_it(tmp_path, poo
     assert f"job 0 ['--x', '1'] {os.getcwd()}" in text and "to stderr" in text, text
 
 
+def test_a_waiting_process_whose_launcher_is_gone_exits_by_itself(pool_env):
+    """The launcher killed (its end of the socket closed, no stop): the waiting process must not
+    stay behind."""
+    pool = warm_start.WarmPool(1, pool_env)
+    waiting = pool.waiting.pop()
+    try:
+        waiting.sock.close()  # what the launcher's death does to its end
+        assert waiting.process.wait(timeout=60) == 0
+    finally:
+        if waiting.process.poll() is None:
+            waiting.process.kill()
+
+
 @pytest.mark.parametrize("extra, cmd_tail", [
     ({"FLAGS_check_nan_inf": "1"}, None),       # Paddle reads FLAGS_* when it is imported
     ({"OMP_NUM_THREADS": "2"}, None),
