@@ -16,7 +16,8 @@ __all__ = ["nbytes", "concat_flat", "copy_into", "to_bytes", "copy_from_bytes", 
 
 
 def nbytes(tensor) -> int:
-    return int(tensor.numel()) * tensor.element_size()
+    # _numel() is a plain int; numel() would run a Paddle op per call (every p2p message and collective)
+    return tensor._numel() * tensor.element_size()
 
 
 def paddle_checks_each_tensor() -> bool:

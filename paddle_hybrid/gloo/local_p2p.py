@@ -148,16 +148,8 @@ def _pair(group, peer_in_group: int, config, operation: str):
             return _pairs[key][0]
         pair = None
         if group.rank >= 0 and 0 <= peer_in_group < group.nranks and peer_in_group != group.rank and is_gloo(group):
-            from . import errors
-            from ..common import exchange
-
-            seconds, setting = errors._deadline(group.process_group, config)
-            seconds = float(config.timeout) if seconds is None else seconds
-            try:
-                pair = _open(group, peer_in_group, seconds, setting)
-            except exchange.ExchangeTimeout as exc:
-                raise local_ring._timed_out(operation, list(group.ranks), exc.missing, seconds, setting,
-                                            "TIMEOUT (shared memory set-up)") from exc
+            pair = local_ring.set_up(group, config, operation,
+                                     lambda seconds, setting: _open(group, peer_in_group, seconds, setting))
         _pairs[key] = (pair, process_group)
         return pair
 

@@ -227,6 +227,20 @@ def _close_all() -> None:
         _rings.clear()
 
 
+def set_up(group, config, operation: str, make):
+    """Phase: ``make(seconds, setting)`` (a segment's set-up, a rendezvous through the job's store)
+    under the group's deadline; a rank that does not come is named as the collective would name it."""
+    from . import errors
+
+    seconds, setting = errors._deadline(group.process_group, config)
+    seconds = float(config.timeout) if seconds is None else seconds
+    try:
+        return make(seconds, setting)
+    except exchange.ExchangeTimeout as exc:
+        raise _timed_out(operation, list(group.ranks), exc.missing, seconds, setting,
+                         "TIMEOUT (shared memory set-up)") from exc
+
+
 def _ring(group, config, operation: str):
     """The group's ring, or None when the group does not take this path.  Made at the group's first
     such collective, a rendezvous of its ranks like the collective itself: a rank that does not
@@ -238,15 +252,7 @@ def _ring(group, config, operation: str):
             return _rings[key][0]
         ring = None
         if 2 <= group.nranks <= 64 and group.rank >= 0 and is_gloo(group):
-            from . import errors
-
-            seconds, setting = errors._deadline(group.process_group, config)
-            seconds = float(config.timeout) if seconds is None else seconds
-            try:
-                ring = _open(group, seconds, setting)
-            except exchange.ExchangeTimeout as exc:
-                raise _timed_out(operation, list(group.ranks), exc.missing, seconds, setting,
-                                 "TIMEOUT (shared memory set-up)") from exc
+            ring = set_up(group, config, operation, lambda seconds, setting: _open(group, seconds, setting))
         _rings[key] = (ring, process_group)
         return ring
 

@@ -160,11 +160,11 @@ def start_waiting_workers(argv: list[str]) -> None:
     config = PluginConfig.from_env()
     environ = environ_as_the_user_set_it()
     count = warm_start.early_worker_count(argv, environ)
-    if count is None or not config.warm_start:
+    if count is None or not config.warm_start or not warm_start.cpu_wheel():
         return
     args = types.SimpleNamespace(nproc_per_node=count, devices=None)
     extra = launch_environment(args, environ, config=config)
-    warm_start.start_early(count, {**os.environ, **extra})
+    warm_start.start_early(count, {**os.environ, **extra}, float(config.timeout))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,8 @@ When a waiting process is *not* used (the command is started as before):
   ``CUDA_*`` and the rest when it is imported, so such a process is not the one asked for;
 * the command is not the bootstrap of this interpreter, Paddle asks for a shell or another
   ``preexec_fn`` than a new session, the waiting process failed to import Paddle or died;
+* the installed Paddle is not the CPU wheel (:func:`cpu_wheel`; the device rule: never run on an
+  accelerator build), or not a version its hook was checked on (:data:`VERIFIED_PADDLE`);
 * the launcher could not tell the local worker count before importing Paddle (no
   ``--nproc_per_node`` nor ``PADDLE_NPROC_PER_NODE``), the job restarts itself
   (``--max_restart``: each attempt is a launcher of its own), it spans nodes (``--nnodes`` other
@@ -42,10 +44,10 @@ import sys
 from .bootstrap import STARTED_VARIABLE, receive_frame, send_frame
 
 __all__ = ["WarmPool", "start_early", "handing_over", "POOL", "may_differ", "incompatible", "early_worker_count",
-           "STARTED_VARIABLE"]
+           "STARTED_VARIABLE", "cpu_wheel", "VERIFIED_PADDLE"]
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
-READY_TIMEOUT = 120.0  # seconds a hand-off waits for a process still importing Paddle
+VERIFIED_PADDLE = ("3.2.", "3.3.")  # the Paddle whose launcher's process_context this was checked on
 # Variables Paddle reads while it is imported although they start with PADDLE_ (module constants).
 READ_AT_IMPORT = frozenset({"PADDLE_P2P_SYNC_SEND", "PADDLE_USE_FOUR_DIRECTIONS_P2P"})
 
@@ -100,8 +102,8 @@ class _Waiting:
 class WarmPool:
     """``count`` processes that import Paddle under ``environ`` and wait for a worker's command."""
 
-    def __init__(self, count: int, environ: dict, executable: str = sys.executable):
-        self.executable, self.waiting, self.used = executable, [], 0
+    def __init__(self, count: int, environ: dict, ready_timeout: float, executable: str = sys.executable):
+        self.executable, self.waiting, self.used, self.ready_timeout = executable, [], 0, ready_timeout
         for _ in range(count):
             mine, theirs = socket.socketpair()
             process = subprocess.Popen([executable, "-u", BOOTSTRAP, "--warm", str(theirs.fileno())],
@@ -120,7 +122,7 @@ class WarmPool:
             return None
         while self.waiting:
             candidate = self.waiting.pop(0)
-            if candidate.process.poll() is None and candidate.ready(READY_TIMEOUT):
+            if candidate.process.poll() is None and candidate.ready(self.ready_timeout):
                 break
             candidate.stop()
         else:
@@ -166,6 +168,21 @@ def _option(argv: list, name: str):
     return None
 
 
+def cpu_wheel() -> bool:
+    """Paddle's CPU wheel is the one installed (read from its package metadata, without importing
+    it): the only build the warm start has run on, so the only one it starts on."""
+    from importlib import metadata
+
+    def installed(name: str) -> bool:
+        try:
+            metadata.version(name)
+            return True
+        except metadata.PackageNotFoundError:
+            return False
+
+    return installed("paddlepaddle") and not any(installed(f"paddlepaddle-{kind}") for kind in ("gpu", "xpu", "dcu"))
+
+
 def early_worker_count(argv: list, environ) -> int | None:
     """How many workers this node will start, when the arguments say it without Paddle's parser
     and the job is one launcher on one node; else None (no waiting processes).  None also where
@@ -184,13 +201,15 @@ def early_worker_count(argv: list, environ) -> int | None:
         return None
 
 
-def start_early(count: int, environ: dict) -> None:
+def start_early(count: int, environ: dict, ready_timeout: float) -> None:
     """At the launcher's first line: start ``count`` waiting processes under the environment the
-    workers will get (``environ``, the launcher's own additions included).  If they cannot be
-    started (no process or socket left), the workers start as before, with a warning."""
+    workers will get (``environ``, the launcher's own additions included); a hand-off waits at most
+    ``ready_timeout`` seconds (the job's deadline) for one still importing Paddle, then starts the
+    worker as before.  If they cannot be started (no process or socket left), the workers start
+    as before, with a warning."""
     global POOL
     try:
-        POOL = WarmPool(count, environ)
+        POOL = WarmPool(count, environ, ready_timeout)
     except OSError as exc:
         import warnings
 
@@ -208,10 +227,20 @@ def handing_over(pool):
     if pool is None:
         yield
         return
+    import warnings
+
+    import paddle
     from paddle.distributed.launch.utils import process_context
 
-    from ..registry.patching import Patcher
+    from ..registry.patching import Patcher, describe_versions, version_supported
 
+    if not version_supported(paddle.__version__, VERIFIED_PADDLE):
+        warnings.warn(f"paddle_hybrid.launch: no warm start on Paddle {paddle.__version__} (checked on "
+                      f"{describe_versions(VERIFIED_PADDLE)}); the workers start as Paddle starts them.",
+                      RuntimeWarning, stacklevel=3)
+        pool.close()
+        yield
+        return
     patcher = Patcher("paddle_hybrid.launch", "python -m paddle.distributed.launch")
     try:
         module = patcher.require(process_context, "subprocess", "paddle.distributed.launch.utils.process_context")

@@ -82,7 +82,7 @@ def _worker_env(pool, extra):
     """What Paddle's launcher would give: the waiting process's environment after its import of
     Paddle, and the rank's variables."""
     waiting = pool.waiting[0]
-    assert waiting.ready(warm_start.READY_TIMEOUT)
+    assert waiting.ready(pool.ready_timeout)
     return {**waiting.environ, "PADDLE_TRAINER_ID": "0", "PADDLE_LOG_DIR": "x", **extra}
 
 
@@ -90,7 +90,7 @@ def test_a_waiting_process_runs_the_bootstrap_command_handed_to_it(tmp_path, poo
     script = tmp_path / "job.py"
     script.write_text("import os, sys\nprint('job', os.environ['PADDLE_TRAINER_ID'], sys.argv[1:], os.getcwd())\n"
                       "print('to stderr', file=sys.stderr)\nsys.exit(5)\n")
-    pool = warm_start.WarmPool(1, pool_env)
+    pool = warm_start.WarmPool(1, pool_env, 120.0)
     try:
         with open(tmp_path / "out.log", "w") as out:
             process = pool.take([sys.executable, "-u", warm_start.BOOTSTRAP, str(script), "--x", "1"],
@@ -106,7 +106,7 @@ def test_a_waiting_process_runs_the_bootstrap_command_handed_to_it(tmp_path, poo
 def test_a_waiting_process_whose_launcher_is_gone_exits_by_itself(pool_env):
     """The launcher killed (its end of the socket closed, no stop): the waiting process must not
     stay behind."""
-    pool = warm_start.WarmPool(1, pool_env)
+    pool = warm_start.WarmPool(1, pool_env, 120.0)
     waiting = pool.waiting.pop()
     try:
         waiting.sock.close()  # what the launcher's death does to its end
@@ -123,7 +123,7 @@ def test_a_waiting_process_whose_launcher_is_gone_exits_by_itself(pool_env):
     ({}, ["run.sh"]),                           # not the bootstrap: a program
 ])
 def test_a_waiting_process_is_not_used_where_it_would_differ(tmp_path, pool_env, extra, cmd_tail):
-    pool = warm_start.WarmPool(1, pool_env)
+    pool = warm_start.WarmPool(1, pool_env, 120.0)
     process = pool.waiting[0].process
     try:
         cmd = [sys.executable, "-u", *(cmd_tail or [warm_start.BOOTSTRAP, "job.py"])]
@@ -148,3 +148,4 @@ def test_the_rule_without_processes():
     assert warm_start.early_worker_count(["--nnodes", "2", "--nproc_per_node", "2", "t.py"], env) is None
     assert warm_start.early_worker_count(["t.py"], {"PADDLE_NPROC_PER_NODE": "4"}) == 4
     assert bootstrap.STARTED_VARIABLE == warm_start.STARTED_VARIABLE
+    assert warm_start.cpu_wheel()  # the wheel these tests run on: the warm start's only build
