@@ -20,12 +20,19 @@ fix                      what it mends (details in the module's docstring)
                          (paddlefleet, paddlefleet_ops) named with what to do on CPU
 :mod:`.auto_grad_accumulation`  ``--enable_auto_parallel 1`` with gradient accumulation
                          sums the micro-batches' gradients (fleet averages them)
+:mod:`.auto_parallel_weights`  ``--enable_auto_parallel 1``: every weight empty after
+                         training, no save works (Paddle's fused FSDP); now gathered
+                         after ``train()`` and for each save, the fused optimizer
+                         state saved and resumed per parameter
 :mod:`.auto_parallel_layouts`  ``--enable_auto_parallel 1`` with tensor parallelism on CPU:
                          a one-rank FSDP group, then a segmentation fault (refused)
 :mod:`.pipe_models`      the generic pipeline model: ERNIE-4.5's default segmentation
                          names a class it never builds (fixed); sliding-window
                          attention dropped, eager attention without a causal mask
                          (refused)
+:mod:`.sink_attention`   ``sdpa`` attention with sinks (GPT-OSS) is flash attention
+                         only: on CPU it stopped on a CUDA-only flag; now computed
+                         with CPU operators, as the eager implementation does
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
@@ -57,6 +64,7 @@ __all__ = ["COMPONENT", "apply", "VERIFIED_PADDLEFORMERS", "TRAINER_MODULE"]
 VERIFIED_PADDLEFORMERS = ("1.2.",)
 TRAINER_MODULE = "paddleformers.trainer.trainer"
 PIPE_MODULE = "paddleformers.nn.pp_model"
+SDPA_MODULE = "paddleformers.nn.attention.sdpa_attention"
 
 
 def _paddleformers_version() -> str:
@@ -74,13 +82,15 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
                       f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
                       f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
         return
-    from . import auto_grad_accumulation, flex_checkpoint_load, grad_norm_hook, trainer_resume, trainer_start
+    from . import (auto_grad_accumulation, auto_parallel_weights, flex_checkpoint_load, grad_norm_hook, trainer_resume,
+                   trainer_start)
 
     grad_norm_hook.fix(patcher, trainer_module)
     auto_grad_accumulation.fix(patcher, trainer_module)
     flex_checkpoint_load.fix(patcher, trainer_module)
     trainer_resume.fix(patcher, trainer_module)
     trainer_start.fix(patcher, trainer_module)  # cpu_precision, auto_parallel_layouts and recompute_flags
+    auto_parallel_weights.fix(patcher, trainer_module)
 
 
 def _fix_pipe_models(patcher: Patcher, pp_model) -> None:
@@ -105,6 +115,14 @@ def _hook_families(patcher: Patcher) -> None:
         patcher.on_revert(when_import_fails(name, families.translate_import_failure(name)), f"the import hook of {name}")
 
 
+def _fix_sdpa_attention(patcher: Patcher, sdpa_attention) -> None:
+    """Sink attention on CPU (:mod:`.sink_attention`), on a verified PaddleFormers."""
+    if version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        from . import sink_attention
+
+        sink_attention.apply_to(patcher, sdpa_attention)
+
+
 def apply(config, patcher: Patcher) -> str:
     from ...common.import_hook import when_imported
 
@@ -112,6 +130,8 @@ def apply(config, patcher: Patcher) -> str:
     patcher.on_revert(cancel, f"the wait for {TRAINER_MODULE}")
     cancel = when_imported(PIPE_MODULE, lambda module: _fix_pipe_models(patcher, module))
     patcher.on_revert(cancel, f"the wait for {PIPE_MODULE}")
+    cancel = when_imported(SDPA_MODULE, lambda module: _fix_sdpa_attention(patcher, module))
+    patcher.on_revert(cancel, f"the wait for {SDPA_MODULE}")
     _hook_families(patcher)
     return f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
 
