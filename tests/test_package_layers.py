@@ -11,6 +11,9 @@ An import is read statically (``import a.b``, ``from a import b``, relative form
 loaded from a string would be invisible here.  The package loads by name in one place only, its
 table of moved import paths (``paddle_hybrid/_moved.py``: an old path answered with the new
 module); every module a component uses is imported where it is used.
+
+Also read from the source: how Paddle was built (``is_compiled_with_*``) is asked in
+``registry/device.py`` only.
 """
 import ast
 import pathlib
@@ -102,3 +105,52 @@ def test_the_scan_sees_a_feature_importing_a_feature(tmp_path):
     assert found == ["paddle_hybrid/dygraph/alpha/use.py:2: feature paddle_hybrid.dygraph.alpha imports feature "
                      "paddle_hybrid.dygraph.beta",
                      "paddle_hybrid/gloo/low.py:1: below paddle_hybrid.gloo imports feature paddle_hybrid.dygraph.beta"]
+
+
+# --------------------------------------------------------------------------- the build is asked in one place
+
+DEVICE_MODULE = "registry/device.py"
+BUILD_QUESTION = "is_compiled_with_"
+
+
+def build_questions(package_dir: pathlib.Path = PACKAGE) -> list:
+    """Every reference to one of Paddle's ``is_compiled_with_*`` outside ``registry/device.py``
+    (``paddle.is_compiled_with_xpu()``, ``core.is_compiled_with_cuda``, a name imported from Paddle).
+    A string naming one (the key of a device answer a Paddle module is given) asks nothing."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        where = path.relative_to(package_dir)
+        if where.as_posix() == DEVICE_MODULE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found.extend((str(path.relative_to(package_dir.parent)), node.lineno, name)
+                         for name in names if name.startswith(BUILD_QUESTION))
+    return [f"{path}:{line}: {name}" for path, line, name in sorted(found)]
+
+
+def test_only_the_device_registry_asks_how_paddle_was_built():
+    """The device rule is decided on one set of answers (``paddle_hybrid/registry/device.py``:
+    ``accelerator_build``, ``cuda_build``, ``xpu_build``); a component asks those, so a faked build
+    reaches every decision."""
+    assert build_questions() == []
+
+
+def test_the_scan_sees_each_way_of_asking(tmp_path):
+    root = tmp_path / "paddle_hybrid"
+    (root / "registry").mkdir(parents=True)
+    (root / "registry" / "device.py").write_text("import paddle\ndef xpu_build():\n    return paddle.is_compiled_with_xpu()\n")
+    (root / "feature.py").write_text(
+        "import paddle\nfrom paddle.base import core\nfrom paddle import is_compiled_with_custom_device\n"
+        "ANSWERS = {'is_compiled_with_cuda': None}\n"
+        "def f():\n    return paddle.is_compiled_with_xpu() or core.is_compiled_with_cuda\n")
+    assert build_questions(root) == ["paddle_hybrid/feature.py:3: is_compiled_with_custom_device",
+                                     "paddle_hybrid/feature.py:6: is_compiled_with_cuda",
+                                     "paddle_hybrid/feature.py:6: is_compiled_with_xpu"]

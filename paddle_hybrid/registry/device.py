@@ -42,6 +42,8 @@ def cuda_build() -> bool:
 
 
 def xpu_build() -> bool:
+    """This Paddle build was compiled with XPU support: what an XPU-only setting of Paddle's
+    (``XPU_CDNN_CLUSTER_PARALLEL``) needs before it means anything."""
     import paddle
 
     return bool(paddle.is_compiled_with_xpu())

@@ -32,8 +32,8 @@ import collections
 import os
 
 from ...common.tensor_bytes import concat_flat, copy_into, paddle_checks_each_tensor
+from ...registry import device
 from ...registry.component import Component
-from ...registry.device import is_gloo
 
 __all__ = ["COMPONENT", "apply", "calls"]
 
@@ -83,12 +83,10 @@ def _broadcast_fused(tensors, src: int, group, mine: bool) -> None:
 
 def _paddle_path_only(optimizer, group) -> bool:
     """Where Paddle's own code must run (see the module docstring)."""
-    import paddle
-
-    return (not is_gloo(group) or optimizer.comm_overlap or optimizer.tensor_fusion
+    return (not device.is_gloo(group) or optimizer.comm_overlap or optimizer.tensor_fusion
             or getattr(optimizer, "_broadcast_overlap", False)
             or paddle_checks_each_tensor()
-            or (paddle.is_compiled_with_xpu() and os.getenv("XPU_CDNN_CLUSTER_PARALLEL") is not None))
+            or (device.xpu_build() and os.getenv("XPU_CDNN_CLUSTER_PARALLEL") is not None))
 
 
 def _reduce_op(optimizer):

@@ -10,10 +10,13 @@ gloo may order the three parts of a sum differently in a longer buffer).  The nu
 what makes it faster: per step one reduce and one broadcast for each rank that owns a parameter,
 against one per parameter."""
 import os
+import types
 
 import numpy as np
 import pytest
 
+from paddle_hybrid.dygraph import sharding_fused_comm
+from paddle_hybrid.registry import device
 from paddle_hybrid.testing import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cpu", "worker_sharding.py")
@@ -56,3 +59,17 @@ def test_three_ranks_uneven_like_one_process():
                 np.testing.assert_allclose(got, v["ref_params"][name], rtol=0, atol=ATOL, err_msg=f"{msg} {name}")
         assert 0 < r["fused_calls"]["reduce"] <= 3 * STEPS * len(VARIANTS), r["fused_calls"]
         assert r["fused_calls"]["reduce"] == r["fused_calls"]["broadcast"]
+
+
+def test_xpu_cluster_parallel_follows_the_device_registrys_answer(monkeypatch):
+    """XPU's cluster-parallel sync (``XPU_CDNN_CLUSTER_PARALLEL``) is left to Paddle on an XPU build
+    only; whether this is one is :func:`paddle_hybrid.registry.device.xpu_build`'s answer, faked here
+    (the component used to ask Paddle itself, and a faked answer changed nothing)."""
+    optimizer = types.SimpleNamespace(comm_overlap=False, tensor_fusion=False)
+    gloo_group = types.SimpleNamespace(process_group=type("ProcessGroupGloo", (), {})())
+    monkeypatch.setenv("XPU_CDNN_CLUSTER_PARALLEL", "1")
+    assert not sharding_fused_comm._paddle_path_only(optimizer, gloo_group)  # this CPU build: the fused path
+    monkeypatch.setattr(device, "xpu_build", lambda: True)
+    assert sharding_fused_comm._paddle_path_only(optimizer, gloo_group)
+    monkeypatch.delenv("XPU_CDNN_CLUSTER_PARALLEL")
+    assert not sharding_fused_comm._paddle_path_only(optimizer, gloo_group)  # without the setting: fused on any build
