@@ -25,11 +25,23 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Sequence
 
-import paddle
-from paddle import _C_ops
-from paddle.base import framework
+# The start of the warning Paddle's cpp_extension module gives when it is imported on a machine
+# without ccache (a regex for warnings.filterwarnings, matched at the message's start).
+CCACHE_WARNING = r"No ccache found"
+
+with warnings.catch_warnings():
+    # `import paddle` imports paddle.utils.cpp_extension (the builder of custom ops), which looks for
+    # ccache, a compiler cache, and warns when there is none.  This module is where the plugin
+    # imports Paddle first, and the plugin compiles nothing at import (it loads its library built
+    # beforehand), so that one warning is silenced here; a process that imported Paddle before the
+    # plugin has seen it already.
+    warnings.filterwarnings("ignore", message=CCACHE_WARNING, category=UserWarning)
+    import paddle
+    from paddle import _C_ops
+    from paddle.base import framework
 
 __all__ = [
     "NOP_OP",

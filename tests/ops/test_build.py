@@ -94,3 +94,27 @@ def test_install_without_wheel_says_what_to_install(tmp_path, repo_root, command
     assert proc.returncode != 0
     assert "pip install wheel" in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())  # stopped before building anything
+
+
+def _env_without_ccache():
+    """This environment with no ccache on PATH (Paddle looks there and with ``which``) and Python's
+    default warning filters."""
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "ccache"))]
+    env = dict(os.environ, PATH=os.pathsep.join(path))
+    env.pop("PYTHONWARNINGS", None)
+    return env
+
+
+def test_import_prints_no_ccache_warning(repo_root):
+    """Importing Paddle's cpp_extension package warns "No ccache found" (a compiler cache, for
+    builds); the plugin imports it only to load its built library, so the warning is silenced there.
+    The first run shows this environment does get the warning from Paddle itself."""
+    env = _env_without_ccache()
+    paddle_alone = subprocess.run([sys.executable, "-c", "import paddle.utils.cpp_extension"], cwd=repo_root, env=env,
+                                  capture_output=True, text=True, timeout=120)
+    assert "No ccache found" in paddle_alone.stderr, paddle_alone.stderr[-2000:]
+    code = "import paddle_hybrid\nfrom paddle_hybrid import ops\nassert ops.NOP_OP in ops.REGISTERED_OPS"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo_root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ccache" not in proc.stderr, proc.stderr[-3000:]
