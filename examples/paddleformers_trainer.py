@@ -58,7 +58,9 @@ SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidde
              num_key_value_heads=8, max_position_embeddings=256)
 SIZES = {"tiny": TINY, "small": SMALL}
 
-# Families whose sdpa attention is flash-attention only (a GPU): eager attention on CPU.
+# Families the example builds with eager attention: GPT-OSS's layouts (docs/paddleformers_trainer.md) were
+# run with it, when PaddleFormers' sdpa path with sinks was flash attention only (it runs on CPU since
+# paddleformers_fixes.sink_attention, equal to eager in one process).
 EAGER_ONLY = ("gpt_oss",)
 
 # family: (module of paddleformers.transformers, config class, causal LM class, its own tiny settings)

@@ -106,9 +106,10 @@ def _env_without_ccache():
 
 
 def test_import_prints_no_ccache_warning(repo_root):
-    """Importing Paddle's cpp_extension package warns "No ccache found" (a compiler cache, for
-    builds); the plugin imports it only to load its built library, so the warning is silenced there.
-    The first run shows this environment does get the warning from Paddle itself."""
+    """``import paddle`` imports Paddle's cpp_extension package, which warns "No ccache found" (a
+    compiler cache, for builds); the plugin builds nothing at import, so its first import of Paddle
+    (``paddle_hybrid/ops.py``) silences that warning.  The first run shows that this environment
+    gets the warning from Paddle itself."""
     env = _env_without_ccache()
     paddle_alone = subprocess.run([sys.executable, "-c", "import paddle.utils.cpp_extension"], cwd=repo_root, env=env,
                                   capture_output=True, text=True, timeout=120)
