@@ -20,9 +20,9 @@ the eager implementation's formula.  Anything else (a query on a GPU or another 
 Checked (``tests/dygraph/paddleformers_fixes/test_sink_attention.py``): a tiny GPT-OSS (GQA,
 sliding-window and full layers) gives the loss and every gradient of the eager implementation
 within float32 rounding, with and without padding; the function alone against eager's, gradients
-of q, k, v and the sinks included.  Only the tensor-parallel and pipeline refusals of the family
-(:mod:`.families`, :mod:`.pipe_models`) decide where GPT-OSS trains; this only lets its one-process
-(and data-parallel, sharding) ``sdpa`` runs start on CPU.
+of q, k, v and the sinks included.  The family's tensor-parallel and pipeline refusals
+(:mod:`.families`, :mod:`.pipe_models`) are unchanged; this lets an ``sdpa`` run start on CPU, and
+was checked in one process (data parallel and sharding not tried with ``sdpa``).
 """
 from __future__ import annotations
 
