@@ -198,6 +198,7 @@ def main(argv=None):
     trainer = Trainer(model=model, args=training_args, train_dataset=data,
                       callbacks=[record_progress(training_args.output_dir)])
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    return trainer
 
 
 if __name__ == "__main__":

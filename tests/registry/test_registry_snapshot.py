@@ -32,6 +32,8 @@ each named here:
    ``auto_parallel_cpu`` (issue 34) replaces two methods of Paddle's executor more (the
    executor's copy of a CPU PIR program gets a comm context per collective and gloo sends/receives:
    ``tests/static/auto_parallel_cpu/test_to_static.py``) (:data:`AUTO_PARALLEL_PATCHES`).
+6. ``fleet_fixes`` (issue 47) replaces ``Tensor.numpy``: a DistTensor whose value was freed is an
+   error, not a zero-size array (``tests/dygraph/fleet_fixes/test_empty_dist_read.py``).
 
 Everything else (every replaced attribute, its original and replacement, every other line of
 report()) is equal.  The history of the restructure before this one is in git (its baseline
@@ -92,6 +94,8 @@ ORDER_AND_FSDP_PATCHES = {("fleet_fixes", "paddle.distributed.auto_parallel.stat
 # change 6 (issue 34): fused FSDP converts a parameter two layers share once (Paddle 3.3 only)
 ORDER_AND_FSDP_PATCHES |= {("fleet_fixes", "FullyShardFusion", "_shard_all_params", "FullyShardFusion._shard_all_params",
                             "_shard_all_params")} if paddle.__version__.startswith("3.3.") else set()
+# change 7 (issue 47): a freed DistTensor's numpy() is an error (fleet_fixes.empty_dist_read; both versions)
+ORDER_AND_FSDP_PATCHES |= {("fleet_fixes", "Tensor", "numpy", "Tensor.numpy", "Tensor.numpy")}
 AUTO_PARALLEL_PATCHES = {  # change 5
     ("auto_parallel_cpu", "_ExecutorCache", "_get_pir_program_and_executor",
      "_ExecutorCache._get_pir_program_and_executor", "_ExecutorCache._get_pir_program_and_executor"),

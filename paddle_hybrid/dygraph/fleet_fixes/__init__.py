@@ -36,6 +36,9 @@ fix                               what it fixes (details in the module docstring
                                   ranks' gradients: n times the mean
 :mod:`.fsdp_tied_params`          ``fsdp.fully_shard`` (auto parallel) stops on
                                   a parameter two layers share (tied embeddings)
+:mod:`.empty_dist_read`           ``Tensor.numpy()`` of a DistTensor whose value
+                                  was freed (fused FSDP's parameters) gives
+                                  a zero-size array (now an error)
 :mod:`.pipeline_degree`           a ``to_static`` 1F1B / VPP pipeline left at
                                   ``pp_degree`` 1 waits forever (now an error
                                   naming it)
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
-from . import (fsdp_grad_average, fsdp_tied_params, moe_empty_experts, moe_scatter_grad, no_pipeline_dp,
+from . import (empty_dist_read, fsdp_grad_average, fsdp_tied_params, moe_empty_experts, moe_scatter_grad, no_pipeline_dp,
                one_process_model, pipeline_degree, process_mesh_numpy2, shard_dataloader_order, sharding_v2_grads,
                shared_weight_norm, stage3_param_groups, tied_optimizer_state, uneven_reshard, view_dtype_offset)
 
@@ -56,7 +59,8 @@ __all__ = ["COMPONENT", "apply", "is_active", "FIXES", "PatchSignatureError"]
 
 FIXES = (shared_weight_norm, no_pipeline_dp, sharding_v2_grads, stage3_param_groups, moe_scatter_grad,
          moe_empty_experts, tied_optimizer_state, process_mesh_numpy2, uneven_reshard, one_process_model,
-         view_dtype_offset, shard_dataloader_order, fsdp_grad_average, fsdp_tied_params, pipeline_degree)
+         view_dtype_offset, shard_dataloader_order, fsdp_grad_average, fsdp_tied_params, pipeline_degree,
+         empty_dist_read)
 
 
 def apply(config, patcher: Patcher) -> None:
