@@ -213,6 +213,16 @@ class PluginConfig:
     its losses and parameters in, and reads its plan from (:mod:`paddle_hybrid.dygraph.verify_record`)
     (``PADDLE_HYBRID_VERIFY_DIR``)."""
 
+    fake_world: str | None = setting(None, "path")
+    """Set by ``python -m paddle_hybrid.dryrun`` for the rank it runs: a world file naming this
+    process's rank of a job with no peer (:mod:`paddle_hybrid.gloo.fake_world`); the shared-memory
+    paths (``local_ring``, ``local_p2p``) stay off in such a world (``PADDLE_HYBRID_FAKE_WORLD``)."""
+
+    dryrun_probe: str | None = setting(None, "path")
+    """Set by ``python -m paddle_hybrid.dryrun`` for the runs it makes (and by its tests for a real run
+    to compare with): the directory this rank writes what it holds and moves into
+    (:mod:`paddle_hybrid.dygraph.dryrun_probe`) (``PADDLE_HYBRID_DRYRUN_PROBE``)."""
+
     force_unverified: tuple = setting((), "names", env="PADDLE_HYBRID_FORCE")
     """Components to install even on a Paddle version they were not verified on: names as
     ``paddle_hybrid.report()`` prints them (``"cpu"``, ``"cuda_graph"``), or ``"all"``

@@ -11,6 +11,7 @@ from ..dygraph.agreement import COMPONENT as agreement
 from ..dygraph.cpu import COMPONENT as cpu
 from ..dygraph.cuda_graph import COMPONENT as cuda_graph
 from ..dygraph.cuda_malloc_async import COMPONENT as cuda_malloc_async
+from ..dygraph.dryrun_probe import COMPONENT as dryrun_probe
 from ..dygraph.expert_parallel import COMPONENT as expert_parallel
 from ..dygraph.fleet_fixes import COMPONENT as fleet_fixes
 from ..dygraph.grad_buckets import COMPONENT as grad_buckets
@@ -42,6 +43,7 @@ COMPONENTS = [
     sharding_fused_comm,
     replica_check,
     verify_record,
+    dryrun_probe,  # after cpu: in a real run it wraps the process groups cpu's concerns make
     agreement,  # after grad_buckets: its fleet.distributed_model wrapper is outermost, so it checks first
     cuda_graph,
     cuda_malloc_async,

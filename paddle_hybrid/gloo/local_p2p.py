@@ -216,7 +216,7 @@ def _make_coalescing_manager(original):
 
 def apply(config, patcher) -> str | None:
     """Phase: route the dygraph send/recv of one-node gloo groups through shared memory."""
-    if not getattr(config, "local_p2p", True) or not local_ring.eligible_job():
+    if not getattr(config, "local_p2p", True) or getattr(config, "fake_world", None) or not local_ring.eligible_job():
         return None
     import importlib
 

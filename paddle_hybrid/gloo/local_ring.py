@@ -385,7 +385,7 @@ def _make_all_gather(original, config):
 
 def apply(config, patcher) -> str | None:
     """Phase: route the dygraph collectives of one-node gloo groups through shared memory."""
-    if not getattr(config, "local_ring", True) or not eligible_job():
+    if not getattr(config, "local_ring", True) or getattr(config, "fake_world", None) or not eligible_job():
         return None
     import importlib
 

@@ -21,8 +21,9 @@ How a script takes a layout depends on what the script is (:func:`kind_of`):
 """
 from __future__ import annotations
 
-import ast
 import re
+
+from ..common.script_kind import kind_of, script_flags  # noqa: F401  (this module's API)
 
 __all__ = ["Layout", "parse_layouts", "kind_of", "script_flags", "layout_args", "LayoutError"]
 
@@ -78,23 +79,6 @@ def parse_layouts(text: str) -> list:
     if not layouts:
         raise LayoutError("--layouts: give at least one layout, e.g. --layouts tp2,pp2,dp2")
     return layouts
-
-
-def script_flags(source: str) -> dict | None:
-    """The script's ``PADDLE_HYBRID_LAYOUT_FLAGS`` dict (a literal), or None."""
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PADDLE_HYBRID_LAYOUT_FLAGS"
-                                                for t in node.targets):
-            return ast.literal_eval(node.value)
-    return None
-
-
-def kind_of(source: str) -> str:
-    if script_flags(source) is not None:
-        return "flags"
-    if "TrainingArguments" in source:
-        return "trainer"
-    return "fleet"
 
 
 def _value(args: list, flag: str, default=None):

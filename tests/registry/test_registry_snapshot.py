@@ -32,6 +32,7 @@ each named here:
    ``auto_parallel_cpu`` (issue 34) replaces two methods of Paddle's executor more (the
    executor's copy of a CPU PIR program gets a comm context per collective and gloo sends/receives:
    ``tests/static/auto_parallel_cpu/test_to_static.py``) (:data:`AUTO_PARALLEL_PATCHES`).
+7. the component ``dryrun_probe`` (issue 45), off unless its setting is given (:data:`ADDED_COMPONENTS`).
 6. ``fleet_fixes`` (issue 47) replaces ``Tensor.numpy``: a DistTensor whose value was freed is an
    error, not a zero-size array (``tests/dygraph/fleet_fixes/test_empty_dist_read.py``).
 
@@ -73,7 +74,9 @@ ADDED_PATCHES = {  # change 3: component -> (owner, attribute) it replaces since
                     ("Tensor", "view"), ("paddle", "view"), ("paddle.tensor", "view"),
                     ("paddle.tensor.manipulation", "view")],
 }
-ADDED_COMPONENTS = {"replica_check": "off: off (check_replicas=0)", "verify_record": "off: off (verify_dir not set)"}
+ADDED_COMPONENTS = {"replica_check": "off: off (check_replicas=0)", "verify_record": "off: off (verify_dir not set)",
+                    # change 8 (issue 45): the dry run's probe, off unless python -m paddle_hybrid.dryrun sets it
+                    "dryrun_probe": "off: off (dryrun_probe not set)"}
 
 
 SHARDING_FUSED_PATCHES = {  # change 4

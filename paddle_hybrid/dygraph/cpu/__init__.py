@@ -56,7 +56,7 @@ registry skips them with a warning unless forced
 """
 from __future__ import annotations
 
-from ...gloo import deadline, errors, groups, kernels, local_p2p, local_ring, tcp_store
+from ...gloo import deadline, errors, fake_world, groups, kernels, local_p2p, local_ring, tcp_store
 from ...registry.component import Component
 from ...registry.patching import Patcher, PatchSignatureError
 from . import (device_id, flex_checkpoint, p2p, recompute, sharding, synchronize, tensor_parallel, timers,
@@ -66,9 +66,10 @@ __all__ = ["COMPONENT", "apply", "is_active", "patched", "CONCERNS", "PatchSigna
 
 # Applied in this order: groups before p2p, which sends through them; p2p before virtual_pipeline,
 # which is only safe with p2p's ordering; the deadline and the named errors last, around the
-# groups every earlier concern may create.
+# groups every earlier concern may create; the fake world (a dry run's) outermost, so no group it makes
+# reaches gloo's creation or its deadline's.
 CONCERNS = (device_id, synchronize, tcp_store, groups, p2p, kernels, local_ring, local_p2p, tensor_parallel, sharding,
-            recompute, timers, flex_checkpoint, virtual_pipeline, deadline, errors)
+            recompute, timers, flex_checkpoint, virtual_pipeline, deadline, errors, fake_world)
 
 
 def apply(config, patcher: Patcher) -> None:

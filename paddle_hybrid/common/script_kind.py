@@ -1,0 +1,43 @@
+"""What kind of training script a tool is given, and the flags it takes degrees by: shared by
+``python -m paddle_hybrid.verify`` and ``python -m paddle_hybrid.dryrun``, read from the script's
+source without running it.
+
+* ``trainer``: PaddleFormers' ``TrainingArguments`` in the script (the Trainer's own flags:
+  ``--tensor_model_parallel_size``, ``--pipeline_model_parallel_size``, ``--sharding_parallel_size``...);
+* ``flags``: the script declares its degree flags in a module-level literal
+  ``PADDLE_HYBRID_LAYOUT_FLAGS = {"mp": "--mp", "pp": "--pp", ...}`` (``examples/gpt_pp.py``);
+* ``fleet``: anything else.
+"""
+from __future__ import annotations
+
+import ast
+
+__all__ = ["script_flags", "kind_of", "flag_value"]
+
+
+def script_flags(source: str) -> dict | None:
+    """The script's ``PADDLE_HYBRID_LAYOUT_FLAGS`` dict (a literal), or None."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PADDLE_HYBRID_LAYOUT_FLAGS"
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def kind_of(source: str) -> str:
+    if script_flags(source) is not None:
+        return "flags"
+    if "TrainingArguments" in source:
+        return "trainer"
+    return "fleet"
+
+
+def flag_value(args: list, flag: str, default=None):
+    """The value given to ``flag`` in ``args`` (``--flag v`` or ``--flag=v``; the last one wins), or ``default``."""
+    found = default
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+    return found

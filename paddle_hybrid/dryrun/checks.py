@@ -1,0 +1,120 @@
+"""Configuration errors found before any rank runs: each names the field, the values and the fix.
+
+From the command line of the script (its degree flags, :mod:`paddle_hybrid.common.script_kind`) and,
+for a PaddleFormers Trainer script, the model's ``config.json`` (``--model_name_or_path``):
+
+- the world (``--nnodes x --nproc_per_node``) is not the product of the degrees;
+- tensor parallelism does not divide the attention heads, the key/value heads (fewer kv heads than
+  tensor-parallel ranks: each rank needs one whole), the vocabulary, or (sequence parallel) the
+  sequence;
+- pipeline stages (x virtual stages) do not divide the layers, or leave a stage without a layer;
+- fewer microbatches (gradient accumulation steps) than pipeline stages, which 1F1B needs.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..common.script_kind import flag_value
+
+__all__ = ["ConfigError", "degrees_of", "check"]
+
+
+class ConfigError:
+    """One configuration error: the field, and the message (the values, the fix)."""
+
+    def __init__(self, field: str, message: str):
+        self.field, self.message = field, message
+
+    def as_json(self) -> dict:
+        return {"field": self.field, "message": self.message}
+
+    def __repr__(self):
+        return f"{self.field}: {self.message}"
+
+
+TRAINER_FLAGS = {"mp": "--tensor_model_parallel_size", "pp": "--pipeline_model_parallel_size",
+                 "sharding": "--sharding_parallel_size", "sep": "--sep_parallel_size",
+                 "vp": "--virtual_pipeline_model_parallel_size"}
+
+
+def degrees_of(kind: str, args: list, flags: dict | None, world_size: int) -> dict:
+    """{"mp", "pp", "dp", "sharding", "sep", "vp"} as the script will take them (data parallel: what the
+    world leaves, for a Trainer)."""
+    degrees = {"mp": 1, "pp": 1, "dp": 1, "sharding": 1, "sep": 1, "vp": 1}
+    if kind == "flags":
+        for key in degrees:
+            if key in (flags or {}):
+                degrees[key] = int(flag_value(args, flags[key], 1))
+        if "vp" not in (flags or {}):
+            degrees["vp"] = int(flag_value(args, "--vp", 1))
+        return degrees
+    if kind == "trainer":
+        for key, flag in TRAINER_FLAGS.items():
+            degrees[key] = int(flag_value(args, flag, 1))
+        others = degrees["mp"] * degrees["pp"] * degrees["sharding"] * degrees["sep"]
+        degrees["dp"] = world_size // others if others and world_size % others == 0 else 0
+        return degrees
+    return degrees
+
+
+def _divides(errors, field, n, by, what, fix):
+    if by > 1 and n % by:
+        errors.append(ConfigError(field, f"{field} = {n} does not divide by {what} {by}: {fix}"))
+
+
+def check(kind: str, args: list, flags: dict | None, world_size: int, nnodes: int, nproc: int) -> tuple:
+    """(degrees, [ConfigError]) for the script's command line in a world of ``nnodes x nproc``."""
+    errors = []
+    degrees = degrees_of(kind, args, flags, world_size)
+    product = degrees["mp"] * degrees["pp"] * degrees["dp"] * degrees["sharding"] * degrees["sep"]
+    if kind in ("flags", "trainer") and product != world_size:
+        errors.append(ConfigError(
+            "world", f"--nnodes {nnodes} x --nproc_per_node {nproc} = {world_size} ranks, but the degrees "
+            f"(tp {degrees['mp']} x pp {degrees['pp']} x dp {degrees['dp']} x sharding {degrees['sharding']} x sep "
+            f"{degrees['sep']}) make {product}: change the world or the degrees so they agree"))
+    if kind == "trainer":
+        errors += _trainer_model(args, degrees)
+    return degrees, errors
+
+
+def _trainer_model(args: list, degrees: dict) -> list:
+    errors = []
+    path = flag_value(args, "--model_name_or_path")
+    config_file = os.path.join(path, "config.json") if path else None
+    if not config_file or not os.path.isfile(config_file):
+        return errors
+    with open(config_file) as f:
+        config = json.load(f)
+    tp, pp, vp = degrees["mp"], degrees["pp"], degrees["vp"]
+    heads = int(config.get("num_attention_heads", 0) or 0)
+    kv_heads = int(config.get("num_key_value_heads", heads) or heads)
+    vocab = int(config.get("vocab_size", 0) or 0)
+    layers = int(config.get("num_hidden_layers", 0) or 0)
+    _divides(errors, "num_attention_heads", heads, tp, "tensor parallelism",
+             f"a tensor-parallel degree dividing {heads}")
+    if tp > 1 and kv_heads and kv_heads % tp and tp % kv_heads:
+        errors.append(ConfigError("num_key_value_heads", f"num_key_value_heads = {kv_heads} and tensor parallelism {tp}: "
+                                  "neither divides the other, so the key/value heads cannot be split or replicated "
+                                  f"evenly: a tensor-parallel degree dividing {kv_heads} or a multiple of it"))
+    _divides(errors, "vocab_size", vocab, tp, "tensor parallelism",
+             f"pad the vocabulary to a multiple of {tp} or another tensor-parallel degree")
+    chunks = pp * vp
+    if chunks > 1 and layers:
+        if layers < chunks:
+            errors.append(ConfigError("num_hidden_layers", f"num_hidden_layers = {layers} for {pp} stages x {vp} virtual "
+                                      f"stages = {chunks} chunks: a chunk would have no layer; fewer stages"))
+        elif layers % chunks:
+            errors.append(ConfigError("num_hidden_layers", f"num_hidden_layers = {layers} does not divide by {pp} stages "
+                                      f"x {vp} virtual stages = {chunks}: uneven stages (the largest decides memory "
+                                      "and time); a degree dividing it"))
+    sequence = flag_value(args, "--max_seq_len", flag_value(args, "--seq_length"))
+    if sequence is not None and str(flag_value(args, "--sequence_parallel", "false")).lower() in ("1", "true"):
+        _divides(errors, "sequence length", int(sequence), tp, "tensor parallelism (sequence parallel)",
+                 "a sequence length that is a multiple of it")
+    steps = int(flag_value(args, "--gradient_accumulation_steps", 1))
+    if pp > 1 and steps < pp:
+        errors.append(ConfigError("gradient_accumulation_steps", f"gradient_accumulation_steps = {steps} microbatches for "
+                                  f"{pp} pipeline stages: 1F1B keeps every stage busy only with at least {pp}; give "
+                                  f"--gradient_accumulation_steps {pp} or more"))
+    return errors

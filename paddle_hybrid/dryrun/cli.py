@@ -1,0 +1,163 @@
+"""The dry run's command line and its phases (see :mod:`paddle_hybrid.dryrun`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+from ..common.script_kind import kind_of, script_flags
+from . import checks, classes, report, runner
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m paddle_hybrid.dryrun",
+        description="Step every rank class of an N x K job on this CPU, with fake collectives: per-rank memory, "
+                    "communication and configuration errors before the GPU run.")
+    p.add_argument("--nnodes", type=int, required=True, help="machines of the real job")
+    p.add_argument("--nproc_per_node", type=int, required=True, help="ranks per machine of the real job")
+    p.add_argument("--ranks", default="auto",
+                   help="auto: one rank of every class; all: every rank; or a comma-separated list of ranks")
+    p.add_argument("--json", default=None, help="write the report here as JSON")
+    p.add_argument("--work", default=None, help="keep every rank's output and record here (default: a temporary "
+                                                "directory, removed at the end)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a rank may wait on anything inside its process (PADDLE_HYBRID_TIMEOUT in it; "
+                        "nothing should wait in a fake world)")
+    p.add_argument("--wall-limit", type=float, default=3600.0, help="seconds one rank's process may run")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _chosen(spec: str, world_size: int):
+    if spec in ("auto", "all"):
+        return spec
+    try:
+        ranks = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        raise SystemExit(f"--ranks {spec!r}: auto, all, or ranks separated by commas (0,5,9)") from None
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad or not ranks:
+        raise SystemExit(f"--ranks {spec!r}: ranks from 0 to {world_size - 1}")
+    return ranks
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    world_size = args.nnodes * args.nproc_per_node
+    if world_size < 1:
+        raise SystemExit("--nnodes and --nproc_per_node must be at least 1")
+    chosen = _chosen(args.ranks, world_size)
+    script = os.path.abspath(args.script)
+    with open(script) as f:
+        source = f.read()
+    kind = kind_of(source)
+    started = time.time()
+
+    # 1. checks
+    degrees, errors = checks.check(kind, args.args, script_flags(source), world_size, args.nnodes, args.nproc_per_node)
+    base = {"world": world_size, "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "degrees": degrees,
+            "errors": [e.as_json() for e in errors], "rank_classes": [], "notes": _notes()}
+    if errors:
+        for e in errors:
+            print(f"configuration error: {e.field}: {e.message}", flush=True)
+        _finish(args, base, started)
+        return EXIT_CONFIG
+
+    work = args.work or tempfile.mkdtemp(prefix="paddle_hybrid_dryrun_")
+    os.makedirs(work, exist_ok=True)
+    try:
+        return _run_all(args, script, world_size, chosen, work, base, started)
+    finally:
+        if args.work is None:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_rank(args, script, rank, world_size, work, label):
+    _say(f"[paddle_hybrid.dryrun] {label}: running rank {rank} of {world_size}")
+    return runner.run_rank(rank, world_size, args.nproc_per_node, script, args.args, work, args.timeout,
+                           args.wall_limit, _say)
+
+
+def _failed(run, label, rank_class=None) -> bool:
+    if run.returncode == 0 and run.probe is not None:
+        return False
+    stands = f" (stands for ranks {classes.describe_ranks(rank_class.ranks)})" if rank_class else ""
+    why = "stopped after --wall-limit" if run.timed_out else f"exit code {run.returncode}"
+    print(f"the script failed in rank {run.rank}, {label}{stands}: {why}\n--- its output, last lines:\n{run.tail}",
+          flush=True)
+    return True
+
+
+def _run_all(args, script, world_size, chosen, work, base, started) -> int:
+    # 2. rank 0, then the classes
+    first = _run_rank(args, script, 0, world_size, work, "rank 0 (finds the topology)")
+    if _failed(first, "rank 0"):
+        _finish(args, base, started)
+        return EXIT_FAILED
+    topology = first.probe.get("topology")
+    if topology:  # fleet's own names and degrees, as it took them
+        base["degrees"] = dict(topology["degrees"], virtual_pipeline=int(first.probe.get("virtual_stages", 1)))
+    rank_classes = classes.classes_of(topology, world_size)
+    stages = int(topology["degrees"].get("pipe", 1)) if topology else 1
+
+    # 3. one rank per class, in stage order
+    plan = _plan(rank_classes, chosen)
+    runs = {0: first}
+    entries = []
+    for rank_class, rank in plan:
+        label = f"class {rank_class.label}"
+        run = runs.get(rank) or _run_rank(args, script, rank, world_size, work, label)
+        runs[rank] = run
+        if _failed(run, label, rank_class):
+            _finish(args, base, started)
+            return EXIT_FAILED
+        covered = rank_class if chosen == "auto" else classes.RankClass(rank_class.key, [rank], rank)
+        entries.append(report.class_entry(covered, run, stages))
+
+    # 4. the report
+    base["rank_classes"] = entries
+    if chosen != "auto":
+        run_ranks = {r for _, r in plan}
+        base["not_run"] = [r for r in range(world_size) if r not in run_ranks]
+    print(report.table(entries), flush=True)
+    _finish(args, base, started)
+    return EXIT_OK
+
+
+def _plan(rank_classes, chosen):
+    """[(class, rank to run)] in class order (pipeline stages ascending)."""
+    if chosen == "auto":
+        return [(c, c.representative) for c in rank_classes]
+    wanted = range(max(max(c.ranks) for c in rank_classes) + 1) if chosen == "all" else chosen
+    owner = {r: c for c in rank_classes for r in c.ranks}
+    return sorted(((owner[r], r) for r in wanted), key=lambda cr: (rank_classes.index(cr[0]), cr[1]))
+
+
+def _notes() -> list:
+    return [
+        "values are the fake world's (paddle_hybrid.gloo.fake_world): shapes and dtypes are the real ones; an "
+        "all_reduce leaves this rank's tensor, a receive from a rank recorded earlier gets what it sent",
+        "measured: parameters, gradients, optimizer state, activations saved for backward and the allocator's peak "
+        "in step 2, communication of step 2; composed: microbatches in flight (the schedule) and composed_peak_bytes",
+        "a CPU's allocator: a GPU adds its caching allocator's fragmentation, workspaces and communication buffers",
+    ]
+
+
+def _finish(args, result, started) -> None:
+    result["wall_s"] = round(time.time() - started, 2)
+    if args.json:
+        report.write_json(args.json, result)

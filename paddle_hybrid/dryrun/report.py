@@ -1,0 +1,100 @@
+"""The dry run's report: per rank class what it holds (measured), what the schedule keeps in flight
+(composed), what it moves per step (measured), as a table and as JSON for a user's CI.
+
+JSON: ``{"world", "nnodes", "nproc_per_node", "degrees", "errors": [{"field", "message"}],
+"rank_classes": [{"class", "ranks", "representative", "parameters_bytes", "gradients_bytes",
+"optimizer_bytes", "activations_bytes", "activations_bytes_per_microbatch", "microbatches",
+"in_flight_microbatches", "peak_bytes", "peak_window", "composed_peak_bytes", "communication": [{"op",
+"group", "calls", "bytes"}], "wall_s", "max_rss_bytes"}], "wall_s", "notes": [...]}``; bytes are
+integers; every rank of the world is in exactly one class.
+
+Measured: parameters, gradients, optimizer state (bytes of this rank's tensors), activations saved
+for backward in step 2 (per microbatch: divided by its backward calls), the allocator's peak in step
+2, the communication of step 2.  Composed: ``in_flight_microbatches`` (1F1B keeps ``stages - stage``
+microbatches' activations of stage ``stage``; the interleaved schedule ``((stages - stage - 1) * 2 +
+(chunks - 1) * stages + 1)`` chunk forwards of ``1 / chunks`` of a microbatch each), and
+``composed_peak_bytes`` = parameters + gradients + optimizer state + in-flight activations: where the
+real peak cannot be run, the figure to read.
+"""
+from __future__ import annotations
+
+import json
+
+from .classes import describe_ranks
+
+__all__ = ["class_entry", "in_flight", "table", "write_json", "gib"]
+
+
+def _total(by_dtype) -> int:
+    return int(sum((by_dtype or {}).values()))
+
+
+def in_flight(stage: int, stages: int, chunks: int, microbatches: int) -> float:
+    """Microbatches' activations the schedule keeps at once on ``stage`` (see the module docstring)."""
+    if stages <= 1:
+        return 1.0 if microbatches else 0.0
+    if chunks <= 1:
+        return float(min(stages - stage, microbatches))
+    forwards = min((stages - stage - 1) * 2 + (chunks - 1) * stages + 1, microbatches * chunks)
+    return forwards / chunks
+
+
+def _communication(probe) -> list:
+    log = probe.get("communication") or []
+    marks = probe.get("comm_marks") or []
+    window = log[marks[0]:marks[1]] if len(marks) >= 2 else log
+    summary = {}
+    for entry in window:
+        key = (entry["op"], tuple(entry["group"]) if entry.get("group") is not None else None)
+        calls, nbytes = summary.get(key, (0, 0))
+        summary[key] = (calls + 1, nbytes + int(entry["bytes"]))
+    return [{"op": op, "group": list(group) if group is not None else None, "calls": calls, "bytes": nbytes}
+            for (op, group), (calls, nbytes) in sorted(summary.items(), key=lambda kv: (kv[0][0], kv[0][1] or ()))]
+
+
+def class_entry(rank_class, run, stages: int) -> dict:
+    probe = run.probe or {}
+    topology = probe.get("topology") or {}
+    stage = int(topology.get("stage", 0)) if topology else 0
+    chunks = int(probe.get("virtual_stages", 1) or 1)
+    microbatches = int(probe.get("microbatches", 0) or 0)
+    activations = int(probe.get("activations_bytes_per_step", 0) or 0)
+    per_microbatch = activations // microbatches if microbatches else activations
+    flight = in_flight(stage, stages, chunks, microbatches)
+    params, grads, optim = (_total(probe.get(k)) for k in ("parameters", "gradients", "optimizer"))
+    return {
+        "class": rank_class.label, "ranks": rank_class.ranks, "representative": rank_class.representative,
+        "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": optim,
+        "parameters_by_dtype": probe.get("parameters", {}), "gradients_by_dtype": probe.get("gradients", {}),
+        "optimizer_by_dtype": probe.get("optimizer", {}),
+        "activations_bytes": activations, "activations_bytes_per_microbatch": per_microbatch,
+        "microbatches": microbatches, "in_flight_microbatches": flight,
+        "peak_bytes": int(probe.get("peak_bytes", 0) or 0), "peak_window": probe.get("peak_window"),
+        "composed_peak_bytes": int(params + grads + optim + per_microbatch * flight),
+        "communication": _communication(probe), "wall_s": round(run.wall_s, 2), "max_rss_bytes": run.max_rss_bytes,
+    }
+
+
+def gib(n) -> str:
+    return f"{n / 2**30:.2f}" if n >= 2**28 else f"{n / 2**20:.1f}M"
+
+
+def table(entries: list) -> str:
+    head = ("class", "ranks", "params", "grads", "optim", "act/mb", "in flight", "peak (step 2)", "composed", "comm/step")
+    rows = [head]
+    for e in entries:
+        comm = sum(c["bytes"] for c in e["communication"])
+        calls = sum(c["calls"] for c in e["communication"])
+        rows.append((e["class"], describe_ranks(e["ranks"]), gib(e["parameters_bytes"]), gib(e["gradients_bytes"]),
+                     gib(e["optimizer_bytes"]), gib(e["activations_bytes_per_microbatch"]),
+                     f"{e['in_flight_microbatches']:g}", gib(e["peak_bytes"]), gib(e["composed_peak_bytes"]),
+                     f"{calls} calls, {gib(comm)}"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(bytes: GiB, or M = MiB; act/mb: saved for backward per microbatch)"
+
+
+def write_json(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)

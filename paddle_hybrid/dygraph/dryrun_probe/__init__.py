@@ -1,0 +1,300 @@
+"""What one rank holds and moves, measured in its own process: the record of ``python -m
+paddle_hybrid.dryrun`` (component ``dryrun_probe``, on when ``PluginConfig.dryrun_probe`` names a
+directory: ``PADDLE_HYBRID_DRYRUN_PROBE``).  The same probe runs in a dry run's fake world and in a
+real multi-process run, so the two are compared figure for figure.
+
+Measured (Paddle's host allocator counts every byte it hands out; a tensor's bytes are its
+elements times its element size):
+
+- **parameters**: every parameter alive in the process at the first optimizer update (a
+  DistTensor by its local value), bytes by dtype;
+- **gradients**: at the first update, each parameter's gradient (``main_grad`` where fleet keeps
+  one, else ``grad``), bytes by dtype;
+- **optimizer state**: after the first update, every accumulator and master weight of every
+  optimizer that updated, bytes by dtype;
+- **activations**: bytes of the tensors saved for backward (``saved_tensors_hooks``; a storage
+  counted once per window) during the second step, and the step's backward calls (its
+  microbatches);
+- **peak**: the allocator's peak from the end of the first update to the end of the second (the
+  steady state: the optimizer state exists, one step's activations come and go); with one step only,
+  from the start of the process (``peak_window`` says which);
+- **topology**: fleet's degrees and this rank's coordinates, when the script made a hybrid
+  communicate group;
+- **communication**: every call on the rank's process groups (operation, the group's global ranks,
+  bytes of this rank's tensor, in order): the fake world's own log, or in a real run the gloo
+  process group's methods, wrapped.
+
+Written at the process's exit to ``<directory>/probe.<rank>.json``.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import json
+import os
+import sys
+
+from ...gloo import fake_world
+from ...registry.component import Component
+
+__all__ = ["COMPONENT", "apply", "LOGGED_METHODS"]
+
+# Methods of a process group whose calls are the communication log (the fake world answers the same).
+LOGGED_METHODS = ("all_reduce", "all_reduce_on_calc_stream", "reduce", "broadcast", "broadcast_on_calc_stream",
+                  "barrier", "all_gather", "all_gather_into_tensor_on_calc_stream", "reduce_scatter",
+                  "reduce_scatter_tensor_on_calc_stream", "all_to_all", "all_to_all_on_calc_stream", "send",
+                  "send_on_calc_stream", "recv", "recv_on_calc_stream")
+# How a method is named in the log (the fake world logs the operation, not the stream variant).
+_OP = {name: name.replace("_on_calc_stream", "").replace("_into_tensor", "") for name in LOGGED_METHODS}
+
+
+def _nbytes(tensor) -> int:
+    if tensor.is_dist():
+        tensor = tensor._local_value()
+    if not tensor._is_initialized():
+        return 0
+    return int(tensor._numel()) * int(tensor.element_size())
+
+
+def _by_dtype(tensors) -> dict:
+    out = {}
+    for tensor in tensors:
+        key = str(tensor.dtype).replace("paddle.", "")
+        out[key] = out.get(key, 0) + _nbytes(tensor)
+    return out
+
+
+class _Probe:
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.record = {"rank": _rank(), "updates": 0, "peak_window": "process"}
+        self.optimizers = []
+        self.saved = {"bytes": 0, "ptrs": set(), "backward_calls": 0}
+        self.window_open = False
+        self.comm = []
+
+    # -- the first and second optimizer updates
+    def before_update(self, optimizer, params_grads) -> None:
+        if self.record["updates"] == 0:
+            self.record["parameters"] = _by_dtype(_alive_parameters())
+            grads = [g for _, g in params_grads if g is not None]
+            self.record["gradients"] = _by_dtype(_gradients() or grads)
+        if all(o is not optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+
+    def after_update(self) -> None:
+        from paddle.base import core
+
+        self.record["updates"] += 1
+        self.record.setdefault("comm_marks", []).append(len(fake_world.log() if fake_world.active() else self.comm))
+        if fake_world.active():  # the dry run shows which rank is where
+            print(f"[paddle_hybrid.dryrun] rank {self.record['rank']}: optimizer step {self.record['updates']} done",
+                  file=sys.stderr, flush=True)
+        if self.record["updates"] == 1:
+            self.record["optimizer"] = _by_dtype(_optimizer_state(self.optimizers))
+            core.host_memory_stat_reset_peak_value("Allocated", 0)
+            self.saved.update(bytes=0, ptrs=set(), backward_calls=0)
+            self.window_open = True
+        elif self.record["updates"] == 2:
+            self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
+            self.record["peak_window"] = "step 2"
+            self.record["activations_bytes_per_step"] = self.saved["bytes"]
+            self.record["microbatches"] = self.saved["backward_calls"]
+            self.window_open = False
+
+    # -- saved for backward
+    def pack(self, tensor):
+        if self.window_open:
+            ptr = tensor.data_ptr() if tensor._is_initialized() else id(tensor)
+            if ptr not in self.saved["ptrs"]:
+                self.saved["ptrs"].add(ptr)
+                self.saved["bytes"] += _nbytes(tensor)
+        return tensor
+
+    def backward_called(self) -> None:
+        if self.window_open:
+            self.saved["backward_calls"] += 1
+            self.saved["ptrs"] = set()  # a storage freed by one backward may be reused by the next forward
+
+    def _real_log(self):
+        groups = getattr(self, "groups", {})
+        log = []
+        for e in self.comm:
+            group = groups.get(e["_pg"])
+            entry = {"op": e["op"], "group": group, "bytes": e["bytes"]}
+            if "_peer" in e:
+                entry["peer"] = group[e["_peer"]] if group is not None else e["_peer"]
+            log.append(entry)
+        return log
+
+    def write(self) -> None:
+        from paddle.base import core
+
+        # Python hooks left registered hang Paddle's teardown of the autograd graph at exit.
+        core.eager.reset_saved_tensors_hooks()
+
+        if "peak_bytes" not in self.record:
+            self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
+        self.record["topology"] = _topology()
+        self.record["virtual_stages"] = _virtual_stages()
+        self.record["communication"] = fake_world.log() if fake_world.active() else self._real_log()
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"probe.{self.record['rank']}.json"), "w") as f:
+            json.dump(self.record, f)
+
+
+def _rank() -> int:
+    return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+
+
+def _alive_parameters():
+    from paddle.base.framework import EagerParamBase
+
+    seen, params = set(), []
+    for obj in gc.get_objects():
+        if isinstance(obj, EagerParamBase) and id(obj) not in seen:
+            seen.add(id(obj))
+            params.append(obj)
+    return params
+
+
+def _gradients():
+    grads = []
+    for param in _alive_parameters():
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            grad = param.grad
+        if grad is not None:
+            grads.append(grad)
+    return grads
+
+
+def _optimizer_state(optimizers):
+    seen, state = set(), []
+    for optimizer in optimizers:
+        tensors = [t for per_param in getattr(optimizer, "_accumulators", {}).values() for t in per_param.values()]
+        tensors += list(getattr(optimizer, "_master_weights", {}).values())
+        for tensor in tensors:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                state.append(tensor)
+    return state
+
+
+def _topology():
+    try:
+        from paddle.distributed import fleet
+
+        hcg = fleet.get_hybrid_communicate_group()
+    except Exception:  # no fleet.init in this script
+        return None
+    if hcg is None:
+        return None
+    topo = hcg.topology()
+    names = list(topo.get_hybrid_group_names())
+    return {"names": names, "degrees": {n: int(topo.get_dim(n)) for n in names},
+            "coordinate": dict(zip(names, (int(c) for c in topo.get_coord(hcg.get_global_rank())))),
+            "stage": int(hcg.get_stage_id())}
+
+
+def _virtual_stages() -> int:
+    """Model chunks per pipeline stage (fleet's ``PipelineLayer``), 1 without a virtual pipeline."""
+    try:
+        from paddle.distributed.fleet.meta_parallel import PipelineLayer
+    except ImportError:
+        return 1
+    for obj in gc.get_objects():
+        if isinstance(obj, PipelineLayer):
+            return int(getattr(obj, "_num_virtual_pipeline_stages", 1) or 1)
+    return 1
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _make_apply_optimize(stock, probe):
+    @functools.wraps(stock)
+    def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
+        probe.before_update(self, params_grads if isinstance(params_grads, list) else [])
+        result = stock(self, loss, startup_program, params_grads, *args, **kwargs)
+        probe.after_update()
+        return result
+
+    return _apply_optimize
+
+
+def _make_backward(stock, probe):
+    @functools.wraps(stock)
+    def backward(*args, **kwargs):
+        probe.backward_called()
+        return stock(*args, **kwargs)
+
+    return backward
+
+
+def _make_logged(stock, op, probe):
+    @functools.wraps(stock)
+    def method(self, *args, **kwargs):
+        tensor = next((a for a in args if hasattr(a, "_numel")), None)
+        entry = {"op": op, "group": None, "bytes": int(tensor._numel()) * int(tensor.element_size())
+                 if tensor is not None else 0, "_pg": id(self)}
+        if op in ("send", "recv"):  # the peer's place in the group follows the tensor
+            entry["_peer"] = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+        probe.comm.append(entry)
+        return stock(self, *args, **kwargs)
+
+    return method
+
+
+def apply(config, patcher) -> str:
+    import paddle
+    from paddle.base import core
+
+    probe = _Probe(config.dryrun_probe)
+    optimizer_cls = paddle.optimizer.Optimizer
+    patcher.set(optimizer_cls, "_apply_optimize",
+                _make_apply_optimize(patcher.require(optimizer_cls, "_apply_optimize", "paddle.optimizer.Optimizer"),
+                                     probe))
+    patcher.set(paddle.Tensor, "backward", _make_backward(patcher.require(paddle.Tensor, "backward", "paddle.Tensor"),
+                                                          probe))
+    autograd = paddle.autograd
+    patcher.set(autograd, "backward", _make_backward(patcher.require(autograd, "backward", "paddle.autograd"), probe))
+    core.eager.register_saved_tensors_hooks(probe.pack, lambda tensor: tensor)
+    patcher.on_revert(core.eager.reset_saved_tensors_hooks, "the dry-run probe's saved-tensor hooks")
+    if not config.fake_world:
+        _log_real_groups(patcher, probe)
+    atexit.register(probe.write)
+    patcher.on_revert(lambda: atexit.unregister(probe.write), "the dry-run probe's record at exit")
+    return f"records this rank's memory and communication into {config.dryrun_probe}"
+
+
+def _log_real_groups(patcher, probe) -> None:
+    """A real run's communication: the gloo process group's methods, wrapped (called from Python)."""
+    from paddle.base import core
+
+    for name in LOGGED_METHODS:
+        if hasattr(core.ProcessGroupGloo, name):
+            patcher.set(core.ProcessGroupGloo, name, _make_logged(getattr(core.ProcessGroupGloo, name), _OP[name],
+                                                                   probe))
+    import paddle.distributed.collective as collective
+
+    groups = {}
+    original = collective._new_process_group_impl
+
+    def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *a, **k):
+        from ...gloo.groups import _members_being_created
+
+        pg = original(backend, store, rank, world_size, group_name, pg_options, group_id, *a, **k)
+        members = _members_being_created(world_size)
+        groups[id(pg)] = members if members is not None else list(range(world_size))
+        probe.groups = groups
+        return pg
+
+    import paddle.distributed.parallel as parallel
+
+    patcher.set(collective, "_new_process_group_impl", _new_process_group_impl)
+    patcher.set(parallel, "_new_process_group_impl", _new_process_group_impl)
+
+
+COMPONENT = Component("dryrun_probe", ("3.2.", "3.3."), "dryrun_probe", apply)

@@ -1,0 +1,353 @@
+"""A fake world beside the real one: this process is rank r of an N-rank job with no peer.
+
+Why: a layout's memory and communication are decided per rank by the rank's own code (its
+pipeline stage, its tensor-parallel shards, its sharding partition), at the job's real degrees and
+sizes.  Stepping one rank of a 1024-rank job on one CPU needs every group of the job to exist and
+every collective, point-to-point and barrier to answer at once, with tensors of the shapes the real
+peers would give; :mod:`paddle_hybrid.dryrun` runs a script so, one rank at a time.
+
+What it replaces, when ``PluginConfig.fake_world`` names a world file (the dry run writes it):
+
+- ``core.create_or_get_global_tcp_store``: a store of this process only (a TCP store serving
+  itself on loopback); a key no peer will ever set is awaited only until the plugin's deadline;
+- ``collective._new_process_group_impl`` for gloo: a :class:`FakeProcessGroup` of the group's
+  size, made at once (no rendezvous); :func:`paddle_hybrid.registry.device.is_gloo` answers for it as
+  for gloo's, so every feature takes the path it takes on a real CPU job and cannot tell them apart.
+
+Values (the shapes are always the real ones; the values are the fake world's):
+
+- ``all_reduce`` / ``reduce``: this rank's tensor unchanged (as if every rank held the same and a
+  sum were averaged back); ``all_gather``: this rank's tensor in every slot; ``reduce_scatter``:
+  this rank's slot of its input; ``all_to_all``: this rank's input, slot for slot (the output keeps
+  its size: the caller allocated it);
+- ``recv`` / ``broadcast`` from another rank: what that rank sent, when its run was recorded
+  earlier in this dry run (the world file's ``replay`` directory: a pipeline's meta messages and any
+  tensor of at most :data:`KEPT_ELEMENTS` elements carry their values); otherwise a floating tensor
+  becomes ones and an integer tensor keeps this rank's values (a broadcast's source is assumed to
+  hold what this rank holds).  An integer ``recv`` from a rank with no record is an error naming
+  both: its values decide shapes, and guessing them would run another program than the real one.
+
+Every call is logged (operation, the group's global ranks, bytes of this rank's tensor, in call
+order); sends are recorded for the ranks run after this one.  The log and the records are written
+at exit to the world file's ``out`` directory.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+
+__all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "log", "is_fake"]
+
+KEPT_ELEMENTS = 64  # tensors up to this size carry their values into the record (pipeline meta, losses)
+
+_STATE = {"world": None, "log": [], "sent": {}, "replay": {}, "pair_count": {}}
+
+
+class FakeWorldError(AttributeError):
+    """The fake world cannot answer a call the way the real one would (an AttributeError where a
+    process group lacks a method, so ``hasattr`` keeps its meaning)."""
+
+
+def active() -> bool:
+    """Whether this process is in a fake world."""
+    return _STATE["world"] is not None
+
+
+def is_fake(process_group) -> bool:
+    return isinstance(process_group, FakeProcessGroup)
+
+
+def log() -> list:
+    """This process's communication so far: dicts of op, group (global ranks), bytes."""
+    return list(_STATE["log"])
+
+
+class _Done:
+    """A finished task (every fake call completes at once)."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def synchronize(self):
+        return None
+
+
+def _nbytes(tensor) -> int:
+    return int(tensor._numel()) * int(tensor.element_size())
+
+
+def _is_float(tensor) -> bool:
+    import paddle
+
+    return tensor.dtype in (paddle.float16, paddle.bfloat16, paddle.float32, paddle.float64)
+
+
+class FakeProcessGroup:
+    """A process group of ``size`` ranks whose peers answer at once (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, gid: int, ranks):
+        self._rank, self._size, self._gid = rank, size, gid
+        self._ranks = list(ranks) if ranks is not None else None
+
+    # -- what Paddle asks of a process group
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def name(self):
+        return "FakeGloo"
+
+    @property
+    def id(self):
+        return self._gid
+
+    def _global(self, local: int) -> int:
+        return self._ranks[local] if self._ranks is not None else local
+
+    def _record(self, op: str, tensor, **extra) -> None:
+        entry = {"op": op, "group": self._ranks, "bytes": _nbytes(tensor) if tensor is not None else 0}
+        entry.update(extra)
+        _STATE["log"].append(entry)
+
+    # -- collectives
+    def all_reduce(self, tensor, op=None, sync_op=True, *args, **kwargs):
+        self._record("all_reduce", tensor)
+        return _Done()
+
+    all_reduce_on_calc_stream = all_reduce
+
+    def reduce(self, tensor, dst, op=None, sync_op=True, *args, **kwargs):
+        self._record("reduce", tensor)
+        return _Done()
+
+    reduce_on_calc_stream = reduce
+
+    def broadcast(self, tensor, src, sync_op=True, *args, **kwargs):
+        self._record("broadcast", tensor)
+        if src != self._rank:
+            _fill_from(tensor, self._global(src), _world()["rank"], "broadcast", key=("bcast", self._ranks))
+        return _Done()
+
+    broadcast_on_calc_stream = broadcast
+
+    def barrier(self, *args, **kwargs):
+        _STATE["log"].append({"op": "barrier", "group": self._ranks, "bytes": 0})
+        return _Done()
+
+    def all_gather(self, out, tensor, sync_op=True, *args, **kwargs):
+        self._record("all_gather", tensor)
+        _tile(out, tensor, self._size)
+        return _Done()
+
+    all_gather_into_tensor = all_gather
+    all_gather_into_tensor_on_calc_stream = all_gather
+
+    def reduce_scatter(self, out, tensor, op=None, sync_op=True, *args, **kwargs):
+        self._record("reduce_scatter", tensor)
+        _own_slot(out, tensor, self._rank, self._size)
+        return _Done()
+
+    reduce_scatter_tensor = reduce_scatter
+    reduce_scatter_tensor_on_calc_stream = reduce_scatter
+
+    def all_to_all(self, out, tensor, *args, **kwargs):
+        self._record("all_to_all", tensor)
+        _copy_prefix(out, tensor)
+        return _Done()
+
+    alltoall = all_to_all
+    all_to_all_tensor = all_to_all
+    all_to_all_on_calc_stream = all_to_all
+
+    # -- point to point
+    def send(self, tensor, dst, sync_op=True, *args, **kwargs):
+        peer = self._global(dst)
+        self._record("send", tensor, peer=peer)
+        _keep_sent(tensor, _world()["rank"], peer)
+        return _Done()
+
+    send_on_calc_stream = send
+    send_partial = send
+
+    def recv(self, tensor, src, sync_op=True, *args, **kwargs):
+        peer = self._global(src)
+        self._record("recv", tensor, peer=peer)
+        _fill_from(tensor, peer, _world()["rank"], "recv", key=("p2p", peer))
+        return _Done()
+
+    recv_on_calc_stream = recv
+    recv_partial = recv
+
+    def __getattr__(self, name):
+        raise FakeWorldError(
+            f"paddle_hybrid.dryrun: the fake world's process group has no {name!r}; the script called a collective "
+            "the dry run does not answer yet. Run the layout for real (python -m paddle_hybrid.launch) or report it.")
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _tile(out, tensor, n: int) -> None:
+    import paddle
+
+    if int(out._numel()) != int(tensor._numel()) * n:
+        raise FakeWorldError(f"all_gather: output of {int(out._numel())} elements for {n} x {int(tensor._numel())}")
+    with paddle.no_grad():
+        out.copy_(paddle.concat([tensor.reshape([-1])] * n).reshape(out.shape).astype(out.dtype), False)
+
+
+def _own_slot(out, tensor, rank: int, n: int) -> None:
+    import paddle
+
+    size = int(out._numel())
+    if size * n != int(tensor._numel()):
+        raise FakeWorldError(f"reduce_scatter: output of {size} elements for an input of {int(tensor._numel())}")
+    with paddle.no_grad():
+        out.copy_(tensor.reshape([-1])._slice(rank * size, (rank + 1) * size).reshape(out.shape), False)
+
+
+def _copy_prefix(out, tensor) -> None:
+    import paddle
+
+    n = min(int(out._numel()), int(tensor._numel()))
+    if n == 0:
+        return
+    with paddle.no_grad():
+        flat = out.reshape([-1])
+        flat[:n] = tensor.reshape([-1])[:n].astype(out.dtype)
+
+
+def _keep_sent(tensor, me: int, peer: int) -> None:
+    """A send's shape, dtype and (small tensors) values, for the run of ``peer`` after this one."""
+    key = (me, peer)
+    index = _STATE["pair_count"].get(("send",) + key, 0)
+    _STATE["pair_count"][("send",) + key] = index + 1
+    entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype)}
+    if int(tensor._numel()) <= KEPT_ELEMENTS:
+        entry["values"] = tensor.numpy().reshape(-1).tolist()
+    _STATE["sent"].setdefault(f"{me}->{peer}", []).append(entry)
+
+
+def _fill_from(tensor, source: int, me: int, op: str, key) -> None:
+    """``tensor`` as received from ``source`` (see the module docstring)."""
+    import numpy as np
+    import paddle
+
+    counter = (op, source, me)
+    index = _STATE["pair_count"].get(counter, 0)
+    _STATE["pair_count"][counter] = index + 1
+    recorded = _STATE["replay"].get(f"{source}->{me}") if op == "recv" else None
+    entry = recorded[index] if recorded is not None and index < len(recorded) else None
+    with paddle.no_grad():
+        if entry is not None and "values" in entry:
+            values = np.asarray(entry["values"]).reshape(tensor.shape).astype(tensor.numpy().dtype)
+            tensor.copy_(paddle.to_tensor(values), False)
+        elif _is_float(tensor):
+            tensor.copy_(paddle.ones(tensor.shape, tensor.dtype), False)
+        elif op == "recv":
+            raise FakeWorldError(
+                f"paddle_hybrid.dryrun: rank {me} receives an integer tensor {list(tensor.shape)} from rank {source}, "
+                "whose run was not recorded before this one; its values decide shapes. Dry-run rank "
+                f"{source}'s class first (pipeline stages in order) or with --ranks all.")
+        # an integer broadcast keeps this rank's values (its source is assumed to hold the same)
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _world() -> dict:
+    return _STATE["world"]
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        world = json.load(f)
+    for key in ("rank", "world_size", "out"):
+        if key not in world:
+            raise FakeWorldError(f"paddle_hybrid: the fake world file {path} has no {key!r}")
+    return world
+
+
+def _replay(world) -> dict:
+    """Sends recorded by earlier runs of this dry run that reach this rank: {"src->dst": [entries]}."""
+    found = {}
+    folder = world.get("replay")
+    if not folder or not os.path.isdir(folder):
+        return found
+    me = world["rank"]
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("sent.") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                for pair, entries in json.load(f).items():
+                    if pair.endswith(f"->{me}"):
+                        found[pair] = entries
+    return found
+
+
+def _write() -> None:
+    world = _world()
+    os.makedirs(world["out"], exist_ok=True)
+    rank = world["rank"]
+    with open(os.path.join(world["out"], f"comm.{rank}.json"), "w") as f:
+        json.dump(_STATE["log"], f)
+    with open(os.path.join(world["out"], f"sent.{rank}.json"), "w") as f:
+        json.dump(_STATE["sent"], f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_store(timeout: float):
+    from paddle.base import core
+
+    return core.TCPStore("127.0.0.1", _free_port(), True, 1, max(1, int(timeout)))
+
+
+def _make_new_pg_impl(orig_impl):
+    def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *args,
+                                **kwargs):
+        if backend != "gloo":
+            return orig_impl(backend, store, rank, world_size, group_name, pg_options, group_id, *args, **kwargs)
+        from .groups import _members_being_created
+
+        members = _members_being_created(world_size)
+        if members is None and world_size == _world()["world_size"]:
+            members = list(range(world_size))
+        return FakeProcessGroup(rank, world_size, group_id, members)
+
+    return _new_process_group_impl
+
+
+def apply(config, patcher) -> None:
+    """With ``config.fake_world`` (a world file), this process becomes its rank of a world with no peer."""
+    if not config.fake_world:
+        return
+    import paddle.distributed.collective as collective
+    import paddle.distributed.parallel as parallel
+    from paddle.base import core
+
+    world = _load(config.fake_world)
+    _STATE.update(world=world, log=[], sent={}, pair_count={}, replay=_replay(world))
+    store = {}
+
+    def create_or_get_global_tcp_store():
+        if "store" not in store:
+            store["store"] = _make_store(config.timeout)
+        return store["store"]
+
+    patcher.set(core, "create_or_get_global_tcp_store", create_or_get_global_tcp_store)
+    impl = _make_new_pg_impl(collective._new_process_group_impl)
+    patcher.set(collective, "_new_process_group_impl", impl)
+    patcher.set(parallel, "_new_process_group_impl", impl)
+    atexit.register(_write)
+    patcher.on_revert(lambda: atexit.unregister(_write), "the fake world's record at exit")
