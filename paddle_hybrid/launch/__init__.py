@@ -25,6 +25,11 @@ Also, before Paddle's launcher starts:
   AMD CPU and a Paddle MKL that honours it) and the user has not set it: in the worker's
   environment from its start, it works even if the script runs a matmul before any import.
 
+On a job of several machines (``--master`` a TCP address that is not loopback), this node's
+address for Paddle's launcher (``--host``) and its network interface for gloo
+(``GLOO_SOCKET_IFNAME``) are the ones on the route to the master, unless the user gave them
+(:mod:`.network`): Paddle's launcher and gloo would take the host name's address otherwise.
+
 With ``--max_restart N`` given explicitly, a failed job is restarted as a whole, up to N times,
 each worker told which attempt it is in ``PADDLE_HYBRID_RESTART_COUNT`` (:mod:`.restart`).
 
@@ -49,7 +54,7 @@ import warnings
 from .restart import requested_restarts, run_attempts
 
 __all__ = ["BOOTSTRAP", "split_script", "worker_argv", "processes_per_node", "usable_cores", "omp_threads",
-           "launch_environment", "environ_as_the_user_set_it", "main"]
+           "launch_environment", "environ_as_the_user_set_it", "reach_the_master", "main"]
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
 
@@ -118,19 +123,25 @@ def omp_threads(cores: int, processes: int) -> int:
     return max(1, cores // max(1, processes))
 
 
+def _config(config=None):
+    """``config``, else the plugin as installed in this process, else as the environment says."""
+    if config is not None:
+        return config
+    from ..catalog.install import current_config
+    from ..config import PluginConfig
+
+    return current_config() or PluginConfig.from_env()
+
+
 def launch_environment(args, environ, config=None) -> dict[str, str]:
     """Variables to add to the workers' environment (never overriding one already set), under
     ``config`` (default: the plugin as installed in this process, else as the environment says)."""
     out = {}
     if "OMP_NUM_THREADS" not in environ:
         out["OMP_NUM_THREADS"] = str(omp_threads(usable_cores(), processes_per_node(args, environ)))
-    from ..config import PluginConfig
     from ..cpu_blas import worker_environment
 
-    if config is None:
-        from ..catalog.install import current_config
-
-        config = current_config() or PluginConfig.from_env()
+    config = _config(config)
     for key, value in worker_environment(environ, config=config).items():
         out.setdefault(key, value)
     return out
@@ -167,18 +178,35 @@ def start_waiting_workers(argv: list[str]) -> None:
     warm_start.start_early(count, {**os.environ, **extra}, float(config.timeout))
 
 
+def reach_the_master(args, environ, config=None) -> tuple[list[str], dict[str, str]]:
+    """(arguments for Paddle's launcher, variables for the workers) that make this node reachable
+    from the others of a job of several machines: the address and interface on the route to the
+    master, where the user gave none (:mod:`.network`; a line on stderr says what was chosen).  A
+    node without a route waits for one at most the job's deadline (``PADDLE_HYBRID_TIMEOUT``)."""
+    from . import network
+
+    reach = network.reach_master(args, environ, float(_config(config).timeout))
+    if reach is None:
+        return [], {}
+    print(f"paddle_hybrid.launch: {reach.describe()}", file=sys.stderr, flush=True)
+    return reach.launcher_arguments(), reach.environment()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse like Paddle; with an explicit ``--max_restart``, run the job in the restart loop
-    (:mod:`.restart`); else rewrite the worker command, set the environment, run Paddle's
-    launcher (its ``sys.exit`` carries the root cause's exit code, see :mod:`.exit_code`)."""
+    (:mod:`.restart`); else rewrite the worker command, add this node's address and interface on
+    a job of several machines, set the environment, run Paddle's launcher (its ``sys.exit``
+    carries the root cause's exit code, see :mod:`.exit_code`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_with_paddle(argv)
     restarts = requested_restarts(argv[:split_script(argv, args)], args, os.environ)
     if restarts is not None:
         log_dir = os.environ.get("PADDLE_LOG_DIR") or args.log_dir
         sys.exit(run_attempts([sys.executable, "-m", "paddle_hybrid.launch", *argv], restarts, log_dir))
-    new_argv = worker_argv(argv, args)
-    os.environ.update(launch_environment(args, environ_as_the_user_set_it()))
+    environ = environ_as_the_user_set_it()
+    host_arguments, network_environment = reach_the_master(args, environ)
+    new_argv = [*host_arguments, *worker_argv(argv, args)]
+    os.environ.update({**launch_environment(args, environ), **network_environment})
     from paddle.distributed.launch.main import launch
 
     from . import warm_start
