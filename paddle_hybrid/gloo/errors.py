@@ -10,6 +10,18 @@ p2p Paddle's Python API and fleet call on a gloo group: ``all_reduce``, ``broadc
     (PADDLE_HYBRID_TIMEOUT) waiting for rank 1, which did not reach it (crashed, hung, or running
     other code); raise PADDLE_HYBRID_TIMEOUT if that rank is only slow. gloo: TIMEOUT ...
 
+**A rank cut off by the network says so.**  Before the message is made, the hosts of the group's
+other ranks (those on other machines) and the job's store are asked for an answer, all at once
+and for at most two seconds (:mod:`.reachable`).  When the ranks waited for, or the store, do not
+answer, the message says that instead of "crashed, hung, or running other code"::
+
+    ... timed out after 20 s (PADDLE_HYBRID_TIMEOUT) waiting for rank 1: rank 1's host 10.201.0.2
+    and the job's store are unreachable from here: a network partition or that host is down; raise
+    PADDLE_HYBRID_TIMEOUT to outlast longer network cuts. gloo: TIMEOUT ...
+
+A store that does not answer is not asked which ranks arrived (that question would wait for the
+network, not for the naming window).
+
 Which rank was waited for:
 
 * ``send``/``recv``: the peer;
@@ -60,6 +72,7 @@ import time
 
 from ..common import exchange
 from . import context_timeout as gloo_timeout
+from . import reachable
 
 __all__ = ["apply", "GlooTimeoutError", "GlooPeerLostError", "GlooDistTensorError", "OPERATIONS", "naming_window",
            "is_gloo_timeout", "lost_peer_before"]
@@ -200,8 +213,9 @@ def _who_did_not_arrive(group, number: int, rank: int, window: float):
         return None
 
 
-def _waited_for(operation, args, kwargs, group, number, rank, seconds):
-    """(global ranks waited for, how sure): "exact", "window" (no sign within the window) or "unknown"."""
+def _waited_for(operation, args, kwargs, group, number, rank, seconds, ask_store=True):
+    """(global ranks waited for, how sure): "exact", "window" (no sign within the window) or
+    "unknown" (also when the store is not to be asked: it did not answer)."""
     others = [r for r in sorted(group.ranks) if r != rank]
     if _P2P.match(operation):
         peer = _peer(operation, args, kwargs, list(group.ranks))  # local rank i is group.ranks[i]
@@ -209,6 +223,8 @@ def _waited_for(operation, args, kwargs, group, number, rank, seconds):
             return [peer], "exact"
     if len(others) == 1:
         return others, "exact"
+    if not ask_store:
+        return others, "unknown"
     missing = _who_did_not_arrive(group, number, rank, naming_window(seconds))
     if missing is None:
         return others, "unknown"
@@ -264,9 +280,14 @@ def _lost_message(operation, group_ranks, lost, elapsed, deadline, setting, raw)
             f"timeout{deadline_note}. gloo: {gloo}")
 
 
-def _message(operation, group_ranks, waited, sureness, seconds, setting, window, raw):
+def _message(operation, group_ranks, waited, sureness, seconds, setting, window, raw, unreachable=None):
+    """The timeout's one line; ``unreachable``: what did not answer from here (:mod:`.reachable`)."""
     after = f"after {seconds:g} s " if seconds is not None else ""
     who = exchange.describe_ranks(waited)
+    gloo = " ".join(str(raw).split())
+    if unreachable:
+        return (f"paddle_hybrid: {operation} on the gloo group of ranks {group_ranks} timed out {after}({setting}) "
+                f"waiting for {who}: {unreachable}; raise {setting} to outlast longer network cuts. gloo: {gloo}")
     if sureness == "exact":
         waiting = f"waiting for {who}, which did not reach it (crashed, hung, or running other code)"
     elif sureness == "window":
@@ -274,7 +295,6 @@ def _message(operation, group_ranks, waited, sureness, seconds, setting, window,
                    "running other code)")
     else:
         waiting = f"waiting for one of {who} (which one could not be learned from the job's store)"
-    gloo = " ".join(str(raw).split())
     return (f"paddle_hybrid: {operation} on the gloo group of ranks {group_ranks} timed out {after}({setting}) "
             f"{waiting}; raise {setting} if that rank is only slow. gloo: {gloo}")
 
@@ -306,9 +326,12 @@ def _make_named(operation: str, original, config):
                 raise GlooPeerLostError(_lost_message(operation, group_ranks, lost, elapsed, seconds, setting, exc),
                                         operation=operation, group_ranks=group_ranks, lost=lost, seconds=elapsed,
                                         deadline=seconds) from exc
-            waited, sureness = _waited_for(operation, args, kwargs, group, number, rank, seconds)
             group_ranks = sorted(group.ranks)
-            message = _message(operation, group_ranks, waited, sureness, seconds, setting, naming_window(seconds), exc)
+            answers = reachable.look([r for r in group_ranks if r != rank])
+            waited, sureness = _waited_for(operation, args, kwargs, group, number, rank, seconds,
+                                           ask_store=answers.store is not False)
+            message = _message(operation, group_ranks, waited, sureness, seconds, setting, naming_window(seconds), exc,
+                               unreachable=reachable.partition_note(waited, answers))
             raise GlooTimeoutError(message, operation=operation, group_ranks=group_ranks, waited_for=waited,
                                    seconds=seconds, setting=setting) from exc
 

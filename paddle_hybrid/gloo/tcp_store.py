@@ -116,9 +116,9 @@ def _set_nodelay_on_new_sockets(before: dict) -> None:
 def _master_endpoint():
     """``(host, port)`` of rank 0's store server, as Paddle's C++ reads it (``PADDLE_MASTER``,
     else the first of ``PADDLE_TRAINER_ENDPOINTS``), or None where neither says."""
-    endpoint = os.environ.get("PADDLE_MASTER") or os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")[0]
-    host, _, port = endpoint.rpartition(":")
-    return (host, int(port)) if host and port.isdigit() else None
+    from .reachable import store_endpoint
+
+    return store_endpoint()
 
 
 def _classic_server() -> bool:
