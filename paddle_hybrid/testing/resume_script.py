@@ -13,6 +13,11 @@ by a death during a save, is skipped with a line on stderr) and trains from step
 out at ``PADDLE_HYBRID_TIMEOUT``) or ``in-save`` (SIGKILL after writing its own part of the
 checkpoint of step S, before ``COMPLETE``).  ``--die-every-attempt``: on every attempt.
 
+``--pause-at S --pause-until FILE``: on the first attempt, every rank writes ``paused.<rank>`` into
+``--out`` at the start of step S and waits until FILE exists (at most 300 s), outside any
+collective: a test changes the world meanwhile (cuts the network between two machines,
+``tests/launch/test_several_machines.py``) and the step's collectives then meet that world.
+
 Every rank writes ``rank<N>.json`` into ``--out``: the loss and the wall-clock end of each step
 it ran (by step), the attempt, the step it resumed from, and its final parameters and optimizer
 state.  The dying rank writes ``death.json`` (its wall clock just before it dies) first.
@@ -66,6 +71,14 @@ def _stuck_forever():
         time.sleep(60)
 
 
+def _pause(out, rank, until, bound=300.0):
+    with open(os.path.join(out, f"paused.{rank}"), "w") as f:
+        f.write(str(time.time()))
+    give_up = time.monotonic() + bound
+    while not os.path.exists(until) and time.monotonic() < give_up:
+        time.sleep(0.05)
+
+
 def _die(how, out):
     with open(os.path.join(out, "death.json"), "w") as f:
         json.dump({"time": time.time()}, f)
@@ -87,6 +100,8 @@ def main():
     parser.add_argument("--die-rank", type=int, default=1)
     parser.add_argument("--die-how", choices=("exit", "kill", "hang", "in-save"), default="kill")
     parser.add_argument("--die-every-attempt", action="store_true")
+    parser.add_argument("--pause-at", type=int, default=-1)
+    parser.add_argument("--pause-until", default=None)
     args = parser.parse_args()
 
     import paddle
@@ -110,6 +125,8 @@ def main():
     for step in range(start, args.steps):
         if dies_here and step == args.die_at and rank == args.die_rank and args.die_how != "in-save":
             _die(args.die_how, args.out)
+        if attempt == 0 and step == args.pause_at and args.pause_until:
+            _pause(args.out, rank, args.pause_until)
         x, y = _batch(step, rank, nranks)
         loss = paddle.nn.functional.mse_loss(dp_model(x), y)
         loss.backward()
