@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["unwrap", "named_parameters", "aliases", "is_split", "whole", "digest", "groups", "shared_weights",
-           "NoSplitAxisError"]
+__all__ = ["unwrap", "named_parameters", "aliases", "is_split", "whole", "join", "digest", "groups",
+           "shared_weights", "NoSplitAxisError"]
 
 
 class NoSplitAxisError(ValueError):
@@ -109,7 +109,6 @@ def whole(param, mp_group, name: str = "", config=None) -> dict:
     model's layout is the model's forward's business (ERNIE-4.5 interleaves q, k, v per key-value
     head group, so joining the slices is right; Phi3 puts all of q, then k, then v, so the parts
     must be joined); a comparison takes the candidate the other side agrees with."""
-    import numpy as np
     import paddle.distributed as dist
 
     if not is_split(param) or mp_group is None or mp_group.nranks == 1:
@@ -117,15 +116,21 @@ def whole(param, mp_group, name: str = "", config=None) -> dict:
     axis = getattr(param, "split_axis", None)
     if axis is None:
         raise NoSplitAxisError(f"parameter {param.name} is marked is_distributed but has no split_axis")
-    axis = int(axis)
     gathered = []
     dist.all_gather(gathered, param.detach(), group=mp_group)
-    slices = [_array(p) for p in gathered]
+    return join([_array(p) for p in gathered], int(axis), fused_parts(name, config))
+
+
+def join(slices: list, axis: int, parts: list | None = None) -> dict:
+    """The whole value from the tensor-parallel ranks' ``slices`` (in rank order) along ``axis``:
+    ``{"": array}``, and with ``parts`` (:func:`fused_parts`) the candidate ``"by_part"`` of
+    :func:`whole`.  No collective: the verifier joins the slices each rank recorded."""
+    import numpy as np
+
     out = {"": np.concatenate(slices, axis=axis)}
-    ratio = fused_parts(name, config)
-    if ratio is not None and slices[0].shape[axis] % sum(ratio) == 0:
-        unit = slices[0].shape[axis] // sum(ratio)
-        bounds = np.cumsum([unit * r for r in ratio])[:-1]
+    if parts is not None and slices[0].shape[axis] % sum(parts) == 0:
+        unit = slices[0].shape[axis] // sum(parts)
+        bounds = np.cumsum([unit * r for r in parts])[:-1]
         per_part = zip(*[np.split(s, bounds, axis=axis) for s in slices])  # part k of every rank
         out["by_part"] = np.concatenate([np.concatenate(list(shares), axis=axis) for shares in per_part], axis=axis)
     return out

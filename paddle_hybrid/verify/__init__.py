@@ -26,6 +26,9 @@ from .layouts import Layout, LayoutError, layout_args
 __all__ = ["main", "run_layout", "LayoutError"]
 
 DEFAULT_RTOL, DEFAULT_ATOL = 1e-5, 1e-6
+# step 1's gradients: the largest difference of a tensor's, relative to its largest element (see
+# compare.py and docs/verify.md: healthy layouts measured within 9.4e-7, the smallest defect 3.8e-2)
+DEFAULT_GRAD_RTOL = 1e-5
 EXIT_EQUAL, EXIT_DIFFERS, EXIT_FAILED = 0, 1, 2
 
 
@@ -51,13 +54,14 @@ def _with_output_dir(kind: str, args: list, directory: str) -> list:
 
 
 def run_layout(script: str, args: list, layout: Layout | None, kind: str, flags: dict | None, directory: str,
-               timeout: float) -> tuple[bool, float, str]:
+               timeout: float, gradient_rtol: float = DEFAULT_GRAD_RTOL) -> tuple[bool, float, str]:
     """Run ``script`` in ``layout`` (None: one process) recording into ``directory``;
-    ``(ok, seconds, log tail)``."""
+    ``(ok, seconds, log tail)``.  The one-process run also records each parameter element's
+    rounding allowance for ``gradient_rtol`` (:class:`~paddle_hybrid.dygraph.verify_record.RoundingAllowance`)."""
     os.makedirs(directory, exist_ok=True)
     name = layout.name if layout else "one"
     plan = {"layout": name, "degrees": layout.degrees if layout else {}, "set_degrees": kind == "fleet",
-            "seeded_init": kind == "fleet"}
+            "seeded_init": kind == "fleet", "reference": layout is None, "gradient_rtol": gradient_rtol}
     with open(os.path.join(directory, "plan.json"), "w") as f:
         json.dump(plan, f)
     script_args = _with_output_dir(kind, layout_args(kind, args, layout, flags), directory)

@@ -1,4 +1,4 @@
-"""``python -m paddle_hybrid.verify --layouts tp2,pp2 [--rtol R] [--atol A] SCRIPT [ARGS...]``
+"""``python -m paddle_hybrid.verify --layouts tp2,pp2 [--rtol R] [--atol A] [--grad-rtol G] SCRIPT [ARGS...]``
 (see :mod:`paddle_hybrid.verify`)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from . import DEFAULT_ATOL, DEFAULT_RTOL, EXIT_DIFFERS, EXIT_EQUAL, EXIT_FAILED, run_layout
+from . import DEFAULT_ATOL, DEFAULT_GRAD_RTOL, DEFAULT_RTOL, EXIT_DIFFERS, EXIT_EQUAL, EXIT_FAILED, run_layout
 from . import compare as compare_mod
 from .layouts import KINDS, LayoutError, kind_of, layout_args, parse_layouts, script_flags
 
@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", required=True, help="comma-separated: tp2, pp2, dp2, sharding2, sp2, tp2pp2, ...")
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="relative tolerance of losses and parameters")
     p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="absolute tolerance of losses and parameters")
+    p.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL,
+                   help="tolerance of step 1's gradients, relative to each tensor's largest element; also what "
+                        "each parameter element's rounding allowance is made for (see docs/verify.md)")
     p.add_argument("--kind", choices=("auto",) + KINDS, default="auto",
                    help="how the script takes a layout (auto: from its source; see docs/verify.md)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
     for layout, name in runs:
         try:
             ok, took, tail = run_layout(opts.script, opts.args, layout, kind, flags, os.path.join(work, name),
-                                        opts.timeout)
+                                        opts.timeout, opts.grad_rtol)
         except LayoutError as exc:
             ok, took, tail = False, 0.0, str(exc)
         seconds[name] = took
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
         for layout in layouts:
             if layout.name in records:
                 verdicts[layout.name] = compare_mod.compare(records["one"], records[layout.name], layout.degrees["mp"],
-                                                            opts.rtol, opts.atol)
+                                                            opts.rtol, opts.atol, opts.grad_rtol)
     _print_table(layouts, verdicts, failures, opts)
     status = EXIT_FAILED if failures else (EXIT_EQUAL if all(v.equal for v in verdicts.values()) else EXIT_DIFFERS)
     if opts.json:
@@ -80,7 +83,9 @@ def main(argv=None) -> int:
             json.dump({"status": status, "seconds": seconds, "total_seconds": time.time() - started,
                        "failed": failures, "layouts": {name: {
                            "equal": v.equal, "first_step": v.first_step, "loss_diff": v.loss_diff,
-                           "param_diff": v.param_diff, "findings": v.findings,
+                           "grad_diff": v.grad_diff, "grads_compared": v.grads_compared,
+                           "param_diff": v.param_diff, "closest": v.closest, "largest": v.largest,
+                           "findings": v.findings,
                            "diverging": {k: [[n, d] for n, d in items[:10]] for k, items in v.diverging.items()}}
                            for name, v in verdicts.items()}}, f, indent=1)
     print(f"paddle_hybrid.verify: {time.time() - started:.0f} s in all", flush=True)
@@ -89,9 +94,13 @@ def main(argv=None) -> int:
     return status
 
 
+def _share(closest: dict, label: str) -> str:
+    return "-" if label not in closest else f"{closest[label]['share']:.2g}"
+
+
 def _print_table(layouts, verdicts, failures, opts) -> None:
-    print(f"\n{'layout':<12} {'result':<10} {'first step':>10} {'loss diff':>10} {'params step 1':>14} "
-          f"{'params end':>11}   (rtol {opts.rtol:g}, atol {opts.atol:g})")
+    print(f"\n{'layout':<12} {'result':<10} {'first step':>10} {'loss diff':>10} {'grads step 1':>13} "
+          f"{'params step 1':>14} {'params end':>11}")
     for layout in layouts:
         name = layout.name
         if name in failures or "one" in failures:
@@ -99,21 +108,49 @@ def _print_table(layouts, verdicts, failures, opts) -> None:
             continue
         v = verdicts[name]
         print(f"{name:<12} {'equal' if v.equal else 'DIFFERS':<10} {v.first_step or '-':>10} {_fmt(v.loss_diff):>10} "
-              f"{_fmt(v.param_diff.get('step1')):>14} {_fmt(v.param_diff.get('end')):>11}")
+              f"{_fmt(v.grad_diff):>13} {_share(v.closest, 'step1'):>14} {_share(v.closest, 'end'):>11}")
+    print(f"loss diff: relative (tolerance rtol {opts.rtol:g}, atol {opts.atol:g}); grads step 1: relative to the "
+          f"tensor's largest gradient (tolerance {opts.grad_rtol:g});\nparams: the largest difference as a share of its "
+          f"element's tolerance (atol + rtol |p| + its rounding allowance; above 1 differs)")
     for name, v in verdicts.items():
-        if v.equal:
-            continue
         print(f"\n{name}:")
+        if v.equal:
+            print(f"  - equal within rounding: {_within(v, opts)}")
+            continue
         for finding in v.findings:
             print(f"  - {finding}")
+        items = v.diverging.get("grads", [])
+        if items:
+            print(f"  - gradients differ at step 1 (beyond {opts.grad_rtol:g} of the tensor's largest): "
+                  f"{_names(items)}")
         for label in ("step1", "end"):
             items = v.diverging.get(label, [])
             if items:
-                shown = ", ".join(f"{n} ({_fmt(d) if d != float('inf') else 'shape'})" for n, d in items[:5])
-                more = f" and {len(items) - 5} more" if len(items) > 5 else ""
-                print(f"  - differ {'after step 1' if label == 'step1' else 'at the end'}: {shown}{more}")
+                print(f"  - differ {'after step 1' if label == 'step1' else 'at the end'}: {_names(items)}")
     for name, tail in failures.items():
         print(f"\n{name} FAILED; the end of its log:\n{tail}")
+
+
+def _names(items) -> str:
+    shown = ", ".join(f"{n} ({_fmt(d) if d != float('inf') else 'shape'})" for n, d in items[:5])
+    return shown + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+
+def _within(v, opts) -> str:
+    """What "equal" rests on: the largest differences against their tolerances."""
+    text = f"losses {_fmt(v.loss_diff)} (tolerance {opts.rtol:g})"
+    text += (f", step-1 gradients {_fmt(v.grad_diff)} (tolerance {opts.grad_rtol:g}, {v.grads_compared} parameters)"
+             if v.grads_compared else ", no step-1 gradients recorded to compare")
+    if not v.closest:
+        return text
+    text += f", parameters {max(c['share'] for c in v.closest.values()):.2g} of their tolerance"
+    big = max(v.largest.values(), key=lambda c: c["diff"])
+    text += f"; the largest parameter difference, {_fmt(big['diff'])} at {big['name']}{big['index']}"
+    if big["allowance"] > big["tolerance"] - big["allowance"] and big["largest_gradient"]:
+        # its tolerance is mostly its rounding allowance: say why it has one
+        text += (f", is an element whose step-1 gradient is {_fmt(abs(big['gradient']) / big['largest_gradient'])} "
+                 f"of its tensor's largest: rounding decides its update (tolerance {_fmt(big['tolerance'])})")
+    return text
 
 
 if __name__ == "__main__":

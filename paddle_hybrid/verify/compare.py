@@ -1,9 +1,22 @@
-"""A layout's record against one process's: losses step by step, parameters after step 1 and at the
-end, and what the differences say (findings), from the files
+"""A layout's record against one process's: losses step by step, step 1's gradients, parameters
+after step 1 and at the end, and what the differences say (findings), from the files
 :mod:`paddle_hybrid.dygraph.verify_record` wrote.
 
-Tolerances: two values agree when ``|a - b| <= atol + rtol * |b|`` (NumPy's ``isclose``), the
-reference ``b`` from one process.
+The rule separates rounding from defects (``docs/verify.md`` has the reasoning and the measured
+margin):
+
+* **Losses**: ``|a - b| <= atol + rtol * |b|`` (NumPy's ``isclose``), ``b`` one process's.
+* **Step 1's gradients**, as the optimizer applied them (after every reduction and clipping),
+  whole, per parameter: the largest difference at most ``gradient_rtol`` times the largest
+  element of one process's (:func:`gradients_agree`).  Before any update, nothing has amplified
+  rounding yet: a layout's gradient differs by summation order only, a defect (a missing
+  reduction, a partial or doubly counted gradient, a wrong clipping norm) by a share of the
+  gradient itself.
+* **Parameters**, element by element: ``|a - b| <= atol + rtol * |b| + allowance``, the allowance
+  the one-process run accumulated for that element
+  (:class:`~paddle_hybrid.dygraph.verify_record.RoundingAllowance`): about zero for an element
+  with a gradient of its own, up to twice the step's largest update of its tensor for one whose
+  gradient is rounding, which Adam turns into a visible share of an update (:func:`tolerance`).
 """
 from __future__ import annotations
 
@@ -17,7 +30,7 @@ import numpy as np
 
 from ..common.replicas import compare as compare_replicas
 
-__all__ = ["Record", "load", "Verdict", "compare"]
+__all__ = ["Record", "load", "Verdict", "compare", "gradients_agree", "tolerance"]
 
 
 @dataclasses.dataclass
@@ -28,6 +41,8 @@ class Record:
     # (the first stage's is compared; a weight the pipeline ties is judged by the replica digests)
     shapes: dict  # label -> {name: {"local": shape, "split": bool}} (from one rank per name)
     aliases: dict  # other name -> name, for a parameter held under two names (tied)
+    grads: dict  # name -> whole gradient of step 1 as the optimizer applied it ("name::by_part" candidates too)
+    allowances: dict  # label -> {name: each element's rounding allowance} (the one-process run's)
 
 
 def load(directory: str) -> Record:
@@ -52,7 +67,48 @@ def load(directory: str) -> Record:
             for name, shape in described.get("shapes", {}).items():
                 shapes.setdefault(label, {}).setdefault(name, shape)
             aliases.update(described.get("aliases", {}))
-    return Record(ranks, params, conflicts, shapes, aliases)
+    allowances = {}
+    for path in glob.glob(os.path.join(directory, "allowance.rank*.npz")):
+        label = re.match(r".*allowance\.rank\d+\.(\w+)\.npz$", path).group(1)
+        with np.load(path) as data:
+            allowances.setdefault(label, {}).update({name: data[name] for name in data.files})
+    return Record(ranks, params, conflicts, shapes, aliases, _load_gradients(directory, ranks), allowances)
+
+
+def _load_gradients(directory: str, ranks: dict) -> dict:
+    """Step 1's whole gradients from the slices every rank recorded: a name held whole is
+    taken from the lowest rank that has it, a slice joined from the lowest rank of each place
+    in the tensor-parallel group."""
+    from ..common.logical_params import join
+
+    held = {}  # name -> [(rank, meta)]
+    for rank in sorted(ranks):
+        for name, meta in ranks[rank].get("gradients", {}).items():
+            held.setdefault(name, []).append((rank, meta))
+    files = {}
+    for rank in {r for entries in held.values() for r, _ in entries}:
+        path = os.path.join(directory, f"grads.rank{rank}.npz")
+        if os.path.exists(path):
+            with np.load(path) as data:
+                files[rank] = {name: data[name] for name in data.files}
+    grads = {}
+    for name, entries in held.items():
+        entries = [(r, m) for r, m in entries if name in files.get(r, {})]
+        if not entries:
+            continue
+        rank, meta = entries[0]
+        if meta["axis"] is None:
+            grads[name] = files[rank][name]
+            continue
+        by_place = {}
+        for r, m in entries:
+            by_place.setdefault(m["mp_rank"], r)
+        if len(by_place) != meta["mp_size"]:
+            continue  # a slice nobody recorded: no whole gradient to compare
+        slices = [files[by_place[place]][name] for place in range(meta["mp_size"])]
+        for variant, value in join(slices, meta["axis"], meta["parts"]).items():
+            grads[name + (VARIANT + variant if variant else "")] = value
+    return grads
 
 
 VARIANT = "::"  # verify_record.VARIANT: "name::by_part" is another candidate whole value of "name"
@@ -96,11 +152,15 @@ def step_losses(record: Record) -> dict:
 @dataclasses.dataclass
 class Verdict:
     equal: bool
-    first_step: int | None  # the first step whose loss differs
+    first_step: int | None  # the first step whose loss differs (1 when step 1's gradients or parameters do)
     loss_diff: float  # the largest relative loss difference
-    param_diff: dict  # label -> largest relative parameter difference
-    diverging: dict  # label -> [(name, max relative difference)] beyond the tolerance, largest first
+    param_diff: dict  # label -> largest parameter difference relative to its tensor's largest magnitude
+    diverging: dict  # label ("grads", "step1", "end") -> [(name, measure)] beyond the tolerance, worst first
     findings: list  # sentences
+    grad_diff: float | None = None  # the largest gradient difference relative to its tensor's largest element
+    grads_compared: int = 0  # parameters whose step-1 gradients were compared
+    closest: dict = dataclasses.field(default_factory=dict)  # label -> the element nearest its tolerance
+    largest: dict = dataclasses.field(default_factory=dict)  # label -> the element that differs most
 
 
 def _relative(a, b) -> float:
@@ -116,10 +176,35 @@ def _close(a, b, rtol, atol) -> bool:
     return bool(np.all(np.isclose(np.asarray(a, dtype="float64"), np.asarray(b, dtype="float64"), rtol=rtol, atol=atol)))
 
 
+def gradients_agree(got, ref, gradient_rtol: float) -> tuple[bool, float]:
+    """``(agree, difference)``: the largest element difference of two whole gradients relative
+    to the reference's largest element, and whether it is at most ``gradient_rtol``.  Relative to
+    the tensor, not the element: an element that is a sum of cancelling terms carries a rounding
+    error of the size of its terms, not of itself."""
+    got, ref = np.asarray(got, dtype="float64"), np.asarray(ref, dtype="float64")
+    if ref.size == 0:
+        return True, 0.0
+    scale = float(np.max(np.abs(ref)))
+    diff = float(np.max(np.abs(got - ref)))
+    if scale == 0.0:
+        return diff == 0.0, 0.0 if diff == 0.0 else float("inf")
+    return diff <= gradient_rtol * scale, diff / scale
+
+
+def tolerance(ref, rtol: float, atol: float, allowance=None):
+    """Each element's tolerance: ``atol + rtol * |ref|`` plus its rounding allowance, if the
+    one-process run recorded one of this shape (else none: a tight comparison)."""
+    ref = np.asarray(ref, dtype="float64")
+    tol = atol + rtol * np.abs(ref)
+    if allowance is not None and np.shape(allowance) == ref.shape:
+        tol = tol + np.asarray(allowance, dtype="float64")
+    return tol
+
+
 WORDS = {"mp": "tensor-parallel", "dp": "data-parallel", "sharding": "sharding", "tied": "pipeline-tied"}
 
 
-def compare(reference: Record, run: Record, mp: int, rtol: float, atol: float) -> Verdict:
+def compare(reference: Record, run: Record, mp: int, rtol: float, atol: float, gradient_rtol: float) -> Verdict:
     findings = []
     ref_losses, losses = step_losses(reference), step_losses(run)
     first_step, loss_diff = None, 0.0
@@ -131,7 +216,9 @@ def compare(reference: Record, run: Record, mp: int, rtol: float, atol: float) -
         loss_diff = max(loss_diff, _relative(losses[step], ref_losses[step]))
         if first_step is None and not _close(losses[step], ref_losses[step], rtol, atol):
             first_step = step
-    param_diff, diverging = {}, {}
+    param_diff, diverging, closest, largest = {}, {}, {}, {}
+    grad_diff, compared, bad = _compare_gradients(reference, run, gradient_rtol)
+    diverging["grads"] = bad
     for label in ("step1", "end"):
         ref = reference.params.get(label, {})
         held = _pick_variants(run.params.get(label, {}), ref)
@@ -147,20 +234,64 @@ def compare(reference: Record, run: Record, mp: int, rtol: float, atol: float) -
         for name in sorted(set(got) - set(ref)):
             findings.append(f"{name}: in this layout, not in one process ({label})")
         worst, bad = 0.0, []
+        allowances = reference.allowances.get(label, {})
         for name in sorted(set(ref) & set(got)):
             if ref[name].shape != got[name].shape:
                 findings.append(_shape_finding(name, got[name].shape, ref[name].shape, run.shapes.get(label, {}), mp))
                 bad.append((name, float("inf")))
                 continue
-            rel = _relative(got[name], ref[name])
-            worst = max(worst, rel)
-            if not _close(got[name], ref[name], rtol, atol):
-                bad.append((name, rel))
+            worst = max(worst, _relative(got[name], ref[name]))
+            a, b = np.asarray(got[name], dtype="float64"), np.asarray(ref[name], dtype="float64")
+            if not a.size:
+                continue
+            tol = tolerance(b, rtol, atol, allowances.get(name))
+            diff = np.abs(a - b)
+            share = diff / tol
+            at, most = int(np.argmax(share)), int(np.argmax(diff))
+            grad = reference.grads.get(name)
+            grad = grad if grad is not None and grad.shape == b.shape else None
+            if label not in closest or share.flat[at] > closest[label]["share"]:
+                closest[label] = _element(name, at, b, diff, tol, grad, rtol, atol)
+            if label not in largest or diff.flat[most] > largest[label]["diff"]:
+                largest[label] = _element(name, most, b, diff, tol, grad, rtol, atol)
+            if share.flat[at] > 1.0:
+                bad.append((name, _relative(a, b)))
         param_diff[label] = worst
         diverging[label] = sorted(bad, key=lambda item: -item[1])
+    if diverging["grads"] or diverging["step1"]:
+        first_step = 1  # step 1 already applied something else than one process did
     findings += _replica_findings(run)
     equal = first_step is None and not findings and not any(diverging.values())
-    return Verdict(equal, first_step, loss_diff, param_diff, diverging, _unique(findings))
+    return Verdict(equal, first_step, loss_diff, param_diff, diverging, _unique(findings), grad_diff, compared,
+                   closest, largest)
+
+
+def _element(name, index, ref, diff, tol, grad, rtol, atol) -> dict:
+    """One parameter element's difference and what its tolerance is made of (what "equal within
+    rounding" prints): the plain part, its rounding allowance, its step-1 gradient against the
+    tensor's largest."""
+    return {"name": name, "index": [int(i) for i in np.unravel_index(index, ref.shape)],
+            "share": float(diff.flat[index] / tol.flat[index]), "diff": float(diff.flat[index]),
+            "tolerance": float(tol.flat[index]),
+            "allowance": float(tol.flat[index] - atol - rtol * abs(ref.flat[index])),
+            "gradient": None if grad is None else float(grad.flat[index]),
+            "largest_gradient": None if grad is None else float(np.max(np.abs(grad)))}
+
+
+def _compare_gradients(reference: Record, run: Record, gradient_rtol: float) -> tuple:
+    """``(largest difference or None, parameters compared, [(name, difference)] beyond the
+    tolerance)``: step 1's gradients, every parameter both runs recorded one for at one shape
+    (a parameter of another shape is a finding of the parameters' comparison)."""
+    got = _by_reference_names(_pick_variants(run.grads, reference.grads), reference)
+    largest, compared, bad = None, 0, []
+    for name in sorted(set(reference.grads) & set(got)):
+        if VARIANT in name or reference.grads[name].shape != got[name].shape:
+            continue
+        agree, diff = gradients_agree(got[name], reference.grads[name], gradient_rtol)
+        largest, compared = max(largest or 0.0, diff), compared + 1
+        if not agree:
+            bad.append((name, diff))
+    return largest, compared, sorted(bad, key=lambda item: -item[1])
 
 
 def _shape_finding(name, shape, ref_shape, shapes, mp) -> str:

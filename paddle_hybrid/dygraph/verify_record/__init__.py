@@ -1,10 +1,13 @@
-"""What a run made by ``python -m paddle_hybrid.verify`` records: every step's loss, and every
-parameter at its whole (one-process) shape and name after step 1 and at the end, with what
-:mod:`paddle_hybrid.common.replicas` needs to tell which replicas differ (component
-``verify_record``, on when ``PluginConfig.verify_dir`` is set: ``PADDLE_HYBRID_VERIFY_DIR``).
+"""What a run made by ``python -m paddle_hybrid.verify`` records: every step's loss, step 1's
+gradients as the optimizer applied them, and every parameter at its whole (one-process) shape and
+name after step 1 and at the end, with what :mod:`paddle_hybrid.common.replicas` needs to tell
+which replicas differ (component ``verify_record``, on when ``PluginConfig.verify_dir`` is set:
+``PADDLE_HYBRID_VERIFY_DIR``).
 
 The verifier writes ``plan.json`` into that directory before it starts the run:
-``{"layout": "tp2", "degrees": {"mp": 2, ...}, "set_degrees": bool, "seeded_init": bool}``.
+``{"layout": "tp2", "degrees": {"mp": 2, ...}, "set_degrees": bool, "seeded_init": bool,
+"reference": bool, "gradient_rtol": float}``; the reference run (one process) also accumulates
+each parameter element's rounding allowance (:class:`RoundingAllowance`).
 
 * ``set_degrees`` (a plain fleet script, whose degrees are its own): ``fleet.init`` gets the
   plan's degrees in its strategy's ``hybrid_configs``.
@@ -25,9 +28,15 @@ Where the numbers come from:
   loss by 1 / micro-batches: the sum is the step's mean loss); the model ``fleet.distributed_model`` returned; the
   end at the process's exit.
 
+* **gradients**: ``Optimizer._create_optimization_pass``, where every Paddle optimizer (the
+  innermost, under fleet's and sharding's wrappers) hands over its (parameter, gradient) pairs
+  after reductions and clipping, just before its update rule.
+
 Written into the directory, per rank: ``rank<R>.json`` (its coordinates, its losses, its replica
-descriptions) and, from one rank of each pipeline stage (tensor-parallel rank 0 of the first data
-and sharding replica), ``params.rank<R>.<label>.npz`` with whole values.
+descriptions, how its gradient slices join), ``grads.rank<R>.npz`` (step 1's gradients of the
+parameters this rank updated, its slices) and, from one rank of each pipeline stage
+(tensor-parallel rank 0 of the first data and sharding replica), ``params.rank<R>.<label>.npz``
+with whole values; the reference run also ``allowance.rank<R>.<label>.npz``.
 """
 from __future__ import annotations
 
@@ -62,6 +71,11 @@ class Recorder:
         self.trainer = False
         self.replicas: dict = {}
         self.done = False
+        self.gradients: dict = {}  # id(parameter) -> (parameter, gradient), step 1
+        self.gradient_meta: dict = {}  # name -> how its recorded gradient joins the other ranks' (compare.load)
+        # the run every layout is compared with bounds what rounding can do to each element
+        rtol = plan.get("gradient_rtol")
+        self.allowance = RoundingAllowance(float(rtol)) if plan.get("reference") and rtol else None
 
     # -- what a step leaves ----------------------------------------------------------------------
 
@@ -78,9 +92,29 @@ class Recorder:
         self.pending = []
         if loss is not None:
             self.losses[self.steps] = float(loss)
+        if self.allowance is not None:
+            self.allowance.settle()
         if self.steps == 1:
             self.snapshot("step1")
         self.write()
+
+    def gradients_seen(self, params_grads) -> None:
+        """The gradients the optimizer is about to apply, as its update rule sees them: after
+        every reduction (data parallel, sharding, tied weights, sequence parallel) and after
+        clipping; with sharding only this rank's own parameters.  Step 1's are kept (a copy, no
+        collective) and named at the step-1 snapshot, when the model is known; every step's feed
+        the reference run's allowance."""
+        if self.steps != 0 and self.allowance is None:
+            return
+        pairs = params_grads["params"] if isinstance(params_grads, dict) else params_grads
+        for param, grad in pairs:
+            if grad is None:
+                continue
+            value = logical_params._array(grad)
+            if self.steps == 0:
+                self.gradients[id(param)] = (param, value)
+            if self.allowance is not None:
+                self.allowance.before_update(param, value, self.steps + 1)
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -120,6 +154,34 @@ class Recorder:
         self.replicas[label]["aliases"] = logical_params.aliases(self.model)
         if self._writer():
             np.savez(os.path.join(self.directory, f"params.rank{self.rank}.{label}.npz"), **values)
+        if label == "step1":
+            self._write_gradients(mp, config)
+        if self.allowance is not None:
+            arrays = self.allowance.arrays(logical_params.named_parameters(self.model))
+            np.savez(os.path.join(self.directory, f"allowance.rank{self.rank}.{label}.npz"), **arrays)
+
+    def _write_gradients(self, mp, config) -> None:
+        """Step 1's gradients, this rank's slices as recorded (every rank writes its own: with
+        sharding each rank applied only its share), with what joins them into whole ones: the
+        split axis, this rank's place in the tensor-parallel group, the fused parts."""
+        import numpy as np
+
+        arrays = {}
+        for name, param in logical_params.named_parameters(self.model):
+            seen = self.gradients.pop(id(param), None)
+            if seen is None:
+                continue
+            split = logical_params.is_split(param) and mp is not None and mp.nranks > 1
+            axis = getattr(param, "split_axis", None)
+            if split and axis is None:
+                continue  # its whole value is unknown (the parameters say so: NoSplitAxisError)
+            arrays[name] = seen[1]
+            self.gradient_meta[name] = {"axis": int(axis) if split else None, "mp_rank": mp.rank if split else 0,
+                                        "mp_size": mp.nranks if split else 1,
+                                        "parts": logical_params.fused_parts(name, config) if split else None}
+        self.gradients.clear()
+        if arrays:
+            np.savez(os.path.join(self.directory, f"grads.rank{self.rank}.npz"), **arrays)
 
     def finish(self) -> None:
         if self.done or self.steps == 0:
@@ -130,9 +192,58 @@ class Recorder:
 
     def write(self) -> None:
         record = {"rank": self.rank, "coords": coordinates(), "losses": self.losses, "steps": self.steps,
-                  "replicas": self.replicas, "layout": self.plan.get("layout")}
+                  "replicas": self.replicas, "layout": self.plan.get("layout"), "gradients": self.gradient_meta}
         with open(os.path.join(self.directory, f"rank{self.rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+class RoundingAllowance:
+    """How far rounding alone can move each element of each parameter, accumulated over the
+    steps of the run every layout is compared with (one process).
+
+    Each step a layout's gradients may differ from one process's by rounding, up to the
+    verifier's ``gradient_rtol`` times the tensor's largest gradient so far (the bound its
+    step-1 comparison enforces).  What that does to an element's update depends on the element's
+    own gradient ``g``: an optimizer that divides by a running magnitude of ``g`` (Adam: the
+    update is ``lr * m / (sqrt(v) + eps)``, at step 1 ``lr * g / (|g| + eps)``) changes the
+    update by up to ``|dg| / |g|`` of it (``sqrt(t)`` more at step ``t``, where ``v`` averages
+    ``t`` steps), and by at most the whole update twice over (the sign of a ``g`` made of
+    rounding can go either way); plain SGD by ``lr * dg``, less.  So an element gets, each step,
+    ``U * min(2, 2 * sqrt(t) * gradient_rtol * G / |g|)``, ``U`` the largest change the step made
+    to any element of the tensor here and ``G`` the tensor's largest gradient so far: about zero
+    for an element with a gradient of its own, up to ``2 U`` for one whose gradient is made of
+    rounding.  The sum over the steps is the allowance :mod:`paddle_hybrid.verify.compare` adds
+    to that element's tolerance."""
+
+    def __init__(self, gradient_rtol: float):
+        self.gradient_rtol = gradient_rtol
+        self.entries: dict = {}  # id(parameter) -> {"param", "total", "peak", and during a step "before", "factor"}
+
+    def before_update(self, param, grad, step: int) -> None:
+        import math
+
+        import numpy as np
+
+        magnitude = np.abs(grad.astype("float64"))
+        entry = self.entries.setdefault(id(param), {"param": param, "total": np.zeros(grad.shape), "peak": 0.0})
+        entry["peak"] = max(entry["peak"], float(magnitude.max()) if magnitude.size else 0.0)
+        bound = 2.0 * math.sqrt(step) * self.gradient_rtol * entry["peak"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            factor = np.where(magnitude > 0, bound / magnitude, np.inf)
+        entry["factor"] = np.minimum(2.0, factor)
+        entry["before"] = logical_params._array(param).astype("float64")
+
+    def settle(self) -> None:
+        """After a step: each element's share of what the step moved its tensor."""
+        import numpy as np
+
+        for entry in self.entries.values():
+            if "factor" in entry:
+                moved = np.abs(logical_params._array(entry["param"]).astype("float64") - entry.pop("before"))
+                entry["total"] += (float(moved.max()) if moved.size else 0.0) * entry.pop("factor")
+
+    def arrays(self, named) -> dict:
+        return {name: self.entries[id(p)]["total"].astype("float32") for name, p in named if id(p) in self.entries}
 
 
 def coordinates() -> dict:
@@ -241,6 +352,15 @@ def _make_distributed_optimizer(original, config):
     return distributed_optimizer
 
 
+def _make_optimization_pass(original, config):
+    @functools.wraps(original)
+    def _create_optimization_pass(self, parameters_and_grads, *args, **kwargs):
+        _recorder(config).gradients_seen(parameters_and_grads)
+        return original(self, parameters_and_grads, *args, **kwargs)
+
+    return _create_optimization_pass
+
+
 def _make_backward(original, config):
     @functools.wraps(original)
     def backward(self, *args, **kwargs):
@@ -282,6 +402,8 @@ def _trainer_callback(config):
             recorder = _recorder(config)
             recorder.model = model if model is not None else recorder.model
             recorder.steps = int(state.global_step)
+            if recorder.allowance is not None:
+                recorder.allowance.settle()
             if recorder.steps == 1:
                 recorder.snapshot("step1")
             recorder.write()
@@ -342,6 +464,11 @@ def apply(config, patcher) -> str:
         patcher.require(fleet, "distributed_optimizer", "paddle.distributed.fleet"), config))
     patcher.set(paddle.Tensor, "backward", _make_backward(patcher.require(paddle.Tensor, "backward", "paddle.Tensor"),
                                                           config))
+    # the one place every optimizer of Paddle's (the innermost, under fleet's and sharding's
+    # wrappers) hands over its (parameter, gradient) pairs after clipping, just before updating
+    base = paddle.optimizer.Optimizer
+    patcher.set(base, "_create_optimization_pass", _make_optimization_pass(
+        patcher.require(base, "_create_optimization_pass", "paddle.optimizer.Optimizer"), config))
     # every pipeline schedule (the interleaved one has a train_batch of its own; one process a
     # PipelineLayer runs in NoPipelineParallel's)
     # (NoPipelineParallel: Paddle 3.3; 3.2 gives one process the PipelineLayer itself)
