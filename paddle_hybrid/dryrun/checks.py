@@ -68,7 +68,14 @@ def check(kind: str, args: list, flags: dict | None, world_size: int, nnodes: in
     errors = []
     degrees = degrees_of(kind, args, flags, world_size)
     product = degrees["mp"] * degrees["pp"] * degrees["dp"] * degrees["sharding"] * degrees["sep"]
-    if kind in ("flags", "trainer") and product != world_size:
+    if kind == "trainer" and degrees["dp"] == 0:  # data parallelism is what the world leaves: it must divide
+        others = degrees["mp"] * degrees["pp"] * degrees["sharding"] * degrees["sep"]
+        errors.append(ConfigError(
+            "world", f"--nnodes {nnodes} x --nproc_per_node {nproc} = {world_size} ranks, but the degrees (tp "
+            f"{degrees['mp']} x pp {degrees['pp']} x sharding {degrees['sharding']} x sep {degrees['sep']}) make "
+            f"{others}, which does not divide it (data parallelism takes what is left): a world that is a multiple "
+            f"of {others}, or other degrees"))
+    elif kind in ("flags", "trainer") and product != world_size:
         errors.append(ConfigError(
             "world", f"--nnodes {nnodes} x --nproc_per_node {nproc} = {world_size} ranks, but the degrees "
             f"(tp {degrees['mp']} x pp {degrees['pp']} x dp {degrees['dp']} x sharding {degrees['sharding']} x sep "

@@ -20,6 +20,9 @@ Values (the shapes are always the real ones; the values are the fake world's):
   sum were averaged back); ``all_gather``: this rank's tensor in every slot; ``reduce_scatter``:
   this rank's slot of its input; ``all_to_all``: this rank's input, slot for slot (the output keeps
   its size: the caller allocated it);
+
+The log's bytes are those of the call's first tensor argument (Paddle's argument order: the output
+first for ``*_into_tensor``, ``reduce_scatter`` and ``all_to_all``), as the probe logs a real run's;
 - ``recv`` / ``broadcast`` from another rank: what that rank sent, when its run was recorded
   earlier in this dry run (the world file's ``replay`` directory: a pipeline's meta messages and any
   tensor of at most :data:`KEPT_ELEMENTS` elements carry their values); otherwise a floating tensor
@@ -141,16 +144,27 @@ class FakeProcessGroup:
         _STATE["log"].append({"op": "barrier", "group": self._ranks, "bytes": 0})
         return _Done()
 
-    def all_gather(self, out, tensor, sync_op=True, *args, **kwargs):
-        self._record("all_gather", tensor)
+    def all_gather(self, first, second, *args, **kwargs):
+        # Paddle's overloads: (input, output tensor) and (output list, input)
+        if isinstance(first, (list, tuple)):
+            self._record("all_gather", second)
+            for slot in first:
+                _copy_prefix(slot, second)
+            return _Done()
+        self._record("all_gather", first)
+        _tile(second, first, self._size)
+        return _Done()
+
+    def all_gather_into_tensor(self, out, tensor, *args, **kwargs):
+        self._record("all_gather", out)
         _tile(out, tensor, self._size)
         return _Done()
 
-    all_gather_into_tensor = all_gather
-    all_gather_into_tensor_on_calc_stream = all_gather
+    all_gather_into_tensor_on_calc_stream = all_gather_into_tensor
+    all_gather_on_calc_stream = all_gather_into_tensor
 
     def reduce_scatter(self, out, tensor, op=None, sync_op=True, *args, **kwargs):
-        self._record("reduce_scatter", tensor)
+        self._record("reduce_scatter", out)
         _own_slot(out, tensor, self._rank, self._size)
         return _Done()
 
@@ -158,13 +172,20 @@ class FakeProcessGroup:
     reduce_scatter_tensor_on_calc_stream = reduce_scatter
 
     def all_to_all(self, out, tensor, *args, **kwargs):
+        self._record("all_to_all", out)
+        _copy_prefix(out, tensor)
+        return _Done()
+
+    all_to_all_tensor = all_to_all
+    all_to_all_on_calc_stream = all_to_all
+    all_to_all_single = all_to_all
+
+    def alltoall(self, tensor, out, *args, **kwargs):  # (input, output), as Paddle's
         self._record("all_to_all", tensor)
         _copy_prefix(out, tensor)
         return _Done()
 
-    alltoall = all_to_all
-    all_to_all_tensor = all_to_all
-    all_to_all_on_calc_stream = all_to_all
+    alltoall_single = alltoall
 
     # -- point to point
     def send(self, tensor, dst, sync_op=True, *args, **kwargs):
@@ -200,7 +221,7 @@ def _tile(out, tensor, n: int) -> None:
     if int(out._numel()) != int(tensor._numel()) * n:
         raise FakeWorldError(f"all_gather: output of {int(out._numel())} elements for {n} x {int(tensor._numel())}")
     with paddle.no_grad():
-        out.copy_(paddle.concat([tensor.reshape([-1])] * n).reshape(out.shape).astype(out.dtype), False)
+        paddle.assign(paddle.concat([tensor.reshape([-1])] * n).reshape(out.shape).astype(out.dtype), output=out)
 
 
 def _own_slot(out, tensor, rank: int, n: int) -> None:
@@ -210,7 +231,7 @@ def _own_slot(out, tensor, rank: int, n: int) -> None:
     if size * n != int(tensor._numel()):
         raise FakeWorldError(f"reduce_scatter: output of {size} elements for an input of {int(tensor._numel())}")
     with paddle.no_grad():
-        out.copy_(tensor.reshape([-1])._slice(rank * size, (rank + 1) * size).reshape(out.shape), False)
+        paddle.assign(tensor.reshape([-1])[rank * size:(rank + 1) * size].reshape(out.shape), output=out)
 
 
 def _copy_prefix(out, tensor) -> None:

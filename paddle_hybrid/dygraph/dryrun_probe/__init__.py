@@ -13,8 +13,11 @@ elements times its element size):
 - **optimizer state**: after the first update, every accumulator and master weight of every
   optimizer that updated, bytes by dtype;
 - **activations**: bytes of the tensors saved for backward (``saved_tensors_hooks``; a storage
-  counted once per window) during the second step, and the step's backward calls (its
-  microbatches);
+  counted once per microbatch; parameters an op saves, such as a matmul's weight, are not
+  activations; a ``PyLayer``'s ``save_for_backward``, which the hooks do not see, is counted too:
+  recompute keeps its segment's input so) during the second step, and the step's backward calls
+  (its microbatches); what recompute's forward saves again inside backward is counted apart
+  (``recomputed_bytes_per_step``: held only while its segment's backward runs);
 - **peak**: the allocator's peak from the end of the first update to the end of the second (the
   steady state: the optimizer state exists, one step's activations come and go); with one step only,
   from the start of the process (``peak_window`` says which);
@@ -40,13 +43,18 @@ from ...registry.component import Component
 
 __all__ = ["COMPONENT", "apply", "LOGGED_METHODS"]
 
-# Methods of a process group whose calls are the communication log (the fake world answers the same).
-LOGGED_METHODS = ("all_reduce", "all_reduce_on_calc_stream", "reduce", "broadcast", "broadcast_on_calc_stream",
-                  "barrier", "all_gather", "all_gather_into_tensor_on_calc_stream", "reduce_scatter",
-                  "reduce_scatter_tensor_on_calc_stream", "all_to_all", "all_to_all_on_calc_stream", "send",
-                  "send_on_calc_stream", "recv", "recv_on_calc_stream")
-# How a method is named in the log (the fake world logs the operation, not the stream variant).
-_OP = {name: name.replace("_on_calc_stream", "").replace("_into_tensor", "") for name in LOGGED_METHODS}
+# Methods of a process group whose calls are the communication log, by the operation the log names (the
+# fake world answers the same methods and logs the same names; bytes: the call's first tensor argument).
+_OP = {"all_reduce": "all_reduce", "all_reduce_on_calc_stream": "all_reduce", "reduce": "reduce",
+       "broadcast": "broadcast", "broadcast_on_calc_stream": "broadcast", "barrier": "barrier",
+       "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+       "all_gather_into_tensor_on_calc_stream": "all_gather", "all_gather_on_calc_stream": "all_gather",
+       "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+       "reduce_scatter_tensor_on_calc_stream": "reduce_scatter", "all_to_all": "all_to_all",
+       "all_to_all_tensor": "all_to_all", "all_to_all_on_calc_stream": "all_to_all", "all_to_all_single": "all_to_all",
+       "alltoall": "all_to_all", "alltoall_single": "all_to_all", "send": "send", "send_on_calc_stream": "send",
+       "recv": "recv", "recv_on_calc_stream": "recv"}
+LOGGED_METHODS = tuple(_OP)
 
 
 def _nbytes(tensor) -> int:
@@ -70,7 +78,7 @@ class _Probe:
         self.directory = directory
         self.record = {"rank": _rank(), "updates": 0, "peak_window": "process"}
         self.optimizers = []
-        self.saved = {"bytes": 0, "ptrs": set(), "backward_calls": 0}
+        self.saved = {"bytes": 0, "ptrs": set(), "backward_calls": 0, "in_backward": 0}
         self.window_open = False
         self.comm = []
 
@@ -95,6 +103,7 @@ class _Probe:
             self.record["optimizer"] = _by_dtype(_optimizer_state(self.optimizers))
             core.host_memory_stat_reset_peak_value("Allocated", 0)
             self.saved.update(bytes=0, ptrs=set(), backward_calls=0)
+            self.record["recomputed_bytes_per_step"] = 0
             self.window_open = True
         elif self.record["updates"] == 2:
             self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
@@ -105,7 +114,12 @@ class _Probe:
 
     # -- saved for backward
     def pack(self, tensor):
-        if self.window_open:
+        # A parameter saved by its op (a matmul's weight) is counted with the parameters, not as an activation.
+        if self.window_open and not tensor.persistable:
+            if self.saved["in_backward"]:  # recompute's forward, run again inside backward: held only there
+                self.record["recomputed_bytes_per_step"] = self.record.get("recomputed_bytes_per_step", 0) + \
+                    _nbytes(tensor)
+                return tensor
             ptr = tensor.data_ptr() if tensor._is_initialized() else id(tensor)
             if ptr not in self.saved["ptrs"]:
                 self.saved["ptrs"].add(ptr)
@@ -227,10 +241,40 @@ def _make_apply_optimize(stock, probe):
 def _make_backward(stock, probe):
     @functools.wraps(stock)
     def backward(*args, **kwargs):
-        probe.backward_called()
-        return stock(*args, **kwargs)
+        if not probe.saved["in_backward"]:  # recompute calls backward again inside a microbatch's backward
+            probe.backward_called()
+        probe.saved["in_backward"] += 1
+        try:
+            return stock(*args, **kwargs)
+        finally:
+            probe.saved["in_backward"] -= 1
 
     return backward
+
+
+def _make_recompute(stock, probe):
+    """Recompute keeps its segment's tensor inputs in a ``PyLayer`` context, which the saved-tensor
+    hooks do not see: they are counted here, as saved for backward."""
+    @functools.wraps(stock)
+    def recompute(*args, **kwargs):  # recompute(function, *inputs) or recompute_hybrid(ctx, function, *inputs)
+        if not probe.saved["in_backward"]:
+            for arg in args:
+                if hasattr(arg, "_numel"):
+                    probe.pack(arg)
+        return stock(*args, **kwargs)
+
+    return recompute
+
+
+def _count_recompute_inputs(patcher, probe) -> None:
+    import importlib
+
+    for module_name, name in (("paddle.distributed.fleet.meta_parallel.parallel_layers.pp_layers", "recompute_hybrid"),
+                              ("paddle.distributed.fleet.recompute.recompute", "recompute"),
+                              ("paddle.distributed.fleet.utils", "recompute")):
+        module = importlib.import_module(module_name)
+        if hasattr(module, name):
+            patcher.set(module, name, _make_recompute(getattr(module, name), probe))
 
 
 def _make_logged(stock, op, probe):
@@ -261,6 +305,7 @@ def apply(config, patcher) -> str:
     autograd = paddle.autograd
     patcher.set(autograd, "backward", _make_backward(patcher.require(autograd, "backward", "paddle.autograd"), probe))
     core.eager.register_saved_tensors_hooks(probe.pack, lambda tensor: tensor)
+    _count_recompute_inputs(patcher, probe)
     patcher.on_revert(core.eager.reset_saved_tensors_hooks, "the dry-run probe's saved-tensor hooks")
     if not config.fake_world:
         _log_real_groups(patcher, probe)
