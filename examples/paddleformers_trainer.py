@@ -23,8 +23,10 @@ pipeline), as a user's script would.  ``--untied``: an output layer of its own i
 embedding's (``tie_word_embeddings=False``).  ``--size small``: a model big enough that a step is
 arithmetic more than Python (hidden 256, 4 layers, vocabulary 1024; the benchmarks' second size).
 
-Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length`` and
-``--num_samples`` (:class:`ModelDataArguments`).  Saving (``--save_steps``) writes the Trainer's
+Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length``,
+``--num_samples`` and ``--init_from_config`` (:class:`ModelDataArguments`; the last builds the model
+from ``config.json`` with random weights, for a model whose checkpoint is not at hand, as
+``python -m paddle_hybrid.dryrun`` runs LLaMA-3-8B).  Saving (``--save_steps``) writes the Trainer's
 default flex checkpoint; ``--resume_from_checkpoint runs/tp2/checkpoint-3`` resumes it, in this
 layout or another.  Each rank writes the losses it logged and the wall-clock end of every step to
 ``<output_dir>/progress.rank<N>.json`` (``{"loss": {step: loss}, "step_end_time": {step: seconds}}``;
@@ -46,6 +48,10 @@ class ModelDataArguments:
     model_name_or_path: str = dataclasses.field(metadata={"help": "the model to train (write-tiny-model makes one)"})
     seq_length: int = dataclasses.field(default=16, metadata={"help": "tokens per sample"})
     num_samples: int = dataclasses.field(default=256, metadata={"help": "samples in the synthetic dataset"})
+    init_from_config: bool = dataclasses.field(
+        default=False, metadata={"help": "build the model from --model_name_or_path's config.json with random "
+                                         "weights (seeded) instead of loading them: a model of any size without its "
+                                         "checkpoint, as python -m paddle_hybrid.dryrun runs one"})
 
 
 # --------------------------------------------------------------------------- the tiny model
@@ -176,6 +182,12 @@ def load_model(model_args: ModelDataArguments, training_args):
     config.sequence_parallel = training_args.sequence_parallel
     config.max_sequence_length = model_args.seq_length  # sequence parallel splits sequences of this length
     cls = AutoModelForCausalLMPipe if training_args.pipeline_model_parallel_size > 1 else AutoModelForCausalLM
+    if model_args.init_from_config:
+        import paddle
+
+        paddle.seed(training_args.seed)
+        config.dtype = "float32"
+        return cls.from_config(config, dtype="float32")
     return cls.from_pretrained(model_args.model_name_or_path, config=config, dtype="float32")
 
 

@@ -76,7 +76,9 @@ def class_entry(rank_class, run, stages: int) -> dict:
 
 
 def gib(n) -> str:
-    return f"{n / 2**30:.2f}" if n >= 2**28 else f"{n / 2**20:.1f}M"
+    if n >= 2**28:
+        return f"{n / 2**30:.2f}"
+    return f"{n / 2**20:.1f}M" if n >= 2**20 else f"{n / 2**10:.1f}K"
 
 
 def table(entries: list) -> str:
@@ -92,7 +94,7 @@ def table(entries: list) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(bytes: GiB, or M = MiB; act/mb: saved for backward per microbatch)"
+    return "\n".join(lines) + "\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch)"
 
 
 def write_json(path: str, report: dict) -> None:

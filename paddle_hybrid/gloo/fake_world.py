@@ -24,8 +24,9 @@ Values (the shapes are always the real ones; the values are the fake world's):
 The log's bytes are those of the call's first tensor argument (Paddle's argument order: the output
 first for ``*_into_tensor``, ``reduce_scatter`` and ``all_to_all``), as the probe logs a real run's;
 - ``recv`` / ``broadcast`` from another rank: what that rank sent, when its run was recorded
-  earlier in this dry run (the world file's ``replay`` directory: a pipeline's meta messages and any
-  tensor of at most :data:`KEPT_ELEMENTS` elements carry their values); otherwise a floating tensor
+  earlier in this dry run (the world file's ``replay`` directory: an integer tensor, such as a
+  pipeline's meta message or the labels the first stage sends the last, carries its values up to
+  :data:`KEPT_INTEGER_ELEMENTS` elements, a floating one up to :data:`KEPT_ELEMENTS`); otherwise a floating tensor
   becomes ones and an integer tensor keeps this rank's values (a broadcast's source is assumed to
   hold what this rank holds).  An integer ``recv`` from a rank with no record is an error naming
   both: its values decide shapes, and guessing them would run another program than the real one.
@@ -43,7 +44,8 @@ import socket
 
 __all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "log", "is_fake"]
 
-KEPT_ELEMENTS = 64  # tensors up to this size carry their values into the record (pipeline meta, losses)
+KEPT_ELEMENTS = 64  # float tensors up to this size carry their values into the record (losses, scales)
+KEPT_INTEGER_ELEMENTS = 1 << 20  # integer tensors (pipeline meta, token ids, labels) carry theirs up to this
 
 _STATE = {"world": None, "log": [], "sent": {}, "replay": {}, "pair_count": {}}
 
@@ -146,13 +148,22 @@ class FakeProcessGroup:
 
     def all_gather(self, first, second, *args, **kwargs):
         # Paddle's overloads: (input, output tensor) and (output list, input)
-        if isinstance(first, (list, tuple)):
-            self._record("all_gather", second)
-            for slot in first:
-                _copy_prefix(slot, second)
-            return _Done()
+        if isinstance(first, list):
+            return self._gather_list(first, second)
         self._record("all_gather", first)
         _tile(second, first, self._size)
+        return _Done()
+
+    def all_gather_on_calc_stream(self, first, second, *args, **kwargs):  # (output list or tensor, input)
+        if isinstance(first, list):
+            return self._gather_list(first, second)
+        return self.all_gather_into_tensor(first, second)
+
+    def _gather_list(self, out_list, tensor):
+        """Paddle's C++ fills the caller's (empty) list with one tensor per rank."""
+        self._record("all_gather", tensor)
+        del out_list[:]
+        out_list.extend(tensor.clone() for _ in range(self._size))
         return _Done()
 
     def all_gather_into_tensor(self, out, tensor, *args, **kwargs):
@@ -161,7 +172,6 @@ class FakeProcessGroup:
         return _Done()
 
     all_gather_into_tensor_on_calc_stream = all_gather_into_tensor
-    all_gather_on_calc_stream = all_gather_into_tensor
 
     def reduce_scatter(self, out, tensor, op=None, sync_op=True, *args, **kwargs):
         self._record("reduce_scatter", out)
@@ -251,7 +261,8 @@ def _keep_sent(tensor, me: int, peer: int) -> None:
     index = _STATE["pair_count"].get(("send",) + key, 0)
     _STATE["pair_count"][("send",) + key] = index + 1
     entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype)}
-    if int(tensor._numel()) <= KEPT_ELEMENTS:
+    limit = KEPT_ELEMENTS if _is_float(tensor) else KEPT_INTEGER_ELEMENTS
+    if int(tensor._numel()) <= limit:
         entry["values"] = tensor.numpy().reshape(-1).tolist()
     _STATE["sent"].setdefault(f"{me}->{peer}", []).append(entry)
 
