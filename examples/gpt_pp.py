@@ -31,10 +31,12 @@ import time
 
 import numpy as np
 
-# How `python -m paddle_hybrid.verify` gives this script a layout: the flag of each degree, and the
-# per-replica batch it divides by the data-parallel replicas (so every layout trains one global batch).
+# How `python -m paddle_hybrid.verify` and `python -m paddle_hybrid.dryrun` give this script a layout: the flag of each degree, the
+# per-replica batch the verifier divides by the data-parallel replicas (so every layout trains one global batch),
+# the microbatches a step and the virtual pipeline stages.
 PADDLE_HYBRID_LAYOUT_FLAGS = {"mp": "--mp", "pp": "--pp", "dp": "--dp", "sharding": "--sharding",
-                              "sp": "--sequence-parallel", "batch": "--micro-batch-size"}
+                              "sp": "--sequence-parallel", "batch": "--micro-batch-size",
+                              "accumulate": "--accumulate-steps", "vp": "--vp"}
 
 # --------------------------------------------------------------------------- arguments
 

@@ -17,7 +17,9 @@ import os
 
 from ..common.script_kind import flag_value
 
-__all__ = ["ConfigError", "degrees_of", "check"]
+__all__ = ["ConfigError", "degrees_of", "check", "microbatches_of", "with_microbatches"]
+
+TRAINER_MICROBATCHES = "--gradient_accumulation_steps"
 
 
 class ConfigError:
@@ -56,6 +58,32 @@ def degrees_of(kind: str, args: list, flags: dict | None, world_size: int) -> di
         degrees["dp"] = world_size // others if others and world_size % others == 0 else 0
         return degrees
     return degrees
+
+
+def _microbatch_flag(kind: str, flags: dict | None):
+    if kind == "trainer":
+        return TRAINER_MICROBATCHES, 1
+    if kind == "flags" and flags and "accumulate" in flags:
+        return flags["accumulate"], None
+    return None, None
+
+
+def microbatches_of(kind: str, args: list, flags: dict | None) -> int | None:
+    """Microbatches a step of the script's own arguments (None: the script does not say how it takes them)."""
+    flag, default = _microbatch_flag(kind, flags)
+    if flag is None:
+        return None
+    value = flag_value(args, flag, default)
+    return int(value) if value is not None else None
+
+
+def with_microbatches(kind: str, args: list, flags: dict | None, n: int) -> list:
+    """The script's arguments with ``n`` microbatches a step (``--measure-microbatches``)."""
+    flag, _ = _microbatch_flag(kind, flags)
+    if flag is None:
+        raise SystemExit("--measure-microbatches: the script does not say how it takes its microbatches (a Trainer's "
+                         "--gradient_accumulation_steps, or \"accumulate\" in its PADDLE_HYBRID_LAYOUT_FLAGS)")
+    return [*args, flag, str(n)]  # the last value given wins
 
 
 def _divides(errors, field, n, by, what, fix):

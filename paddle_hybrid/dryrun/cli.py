@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a rank may wait on anything inside its process (PADDLE_HYBRID_TIMEOUT in it; "
                         "nothing should wait in a fake world)")
     p.add_argument("--wall-limit", type=float, default=3600.0, help="seconds one rank's process may run")
+    p.add_argument("--measure-microbatches", type=int, default=None,
+                   help="run each rank with this many microbatches a step instead of the script's, and compose the "
+                        "activations the schedule keeps in flight with the script's own count (a model too large "
+                        "to run its whole schedule here)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -65,9 +69,18 @@ def main(argv=None) -> int:
     kind = kind_of(source)
     started = time.time()
 
-    # 1. checks
-    degrees, errors = checks.check(kind, args.args, script_flags(source), world_size, args.nnodes, args.nproc_per_node)
+    # 1. checks (on the script's own arguments)
+    flags = script_flags(source)
+    degrees, errors = checks.check(kind, args.args, flags, world_size, args.nnodes, args.nproc_per_node)
+    schedule_microbatches = checks.microbatches_of(kind, args.args, flags)
+    run_args = list(args.args)
+    if args.measure_microbatches is not None:
+        run_args = checks.with_microbatches(kind, run_args, flags, args.measure_microbatches)
+        if schedule_microbatches is None:
+            raise SystemExit("--measure-microbatches composes with the script's own microbatches a step: give them on "
+                             "its command line (gpt_pp.py: --accumulate-steps N)")
     base = {"world": world_size, "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "degrees": degrees,
+            "schedule_microbatches": schedule_microbatches, "measured_microbatches": args.measure_microbatches,
             "errors": [e.as_json() for e in errors], "rank_classes": [], "notes": _notes()}
     if errors:
         for e in errors:
@@ -78,7 +91,7 @@ def main(argv=None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="paddle_hybrid_dryrun_")
     os.makedirs(work, exist_ok=True)
     try:
-        return _run_all(args, script, world_size, chosen, work, base, started)
+        return _run_all(args, script, run_args, world_size, chosen, work, base, started)
     finally:
         if args.work is None:
             import shutil
@@ -86,9 +99,9 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_rank(args, script, rank, world_size, work, label):
+def _run_rank(args, script, run_args, rank, world_size, work, label):
     _say(f"[paddle_hybrid.dryrun] {label}: running rank {rank} of {world_size}")
-    return runner.run_rank(rank, world_size, args.nproc_per_node, script, args.args, work, args.timeout,
+    return runner.run_rank(rank, world_size, args.nproc_per_node, script, run_args, work, args.timeout,
                            args.wall_limit, _say)
 
 
@@ -102,9 +115,9 @@ def _failed(run, label, rank_class=None) -> bool:
     return True
 
 
-def _run_all(args, script, world_size, chosen, work, base, started) -> int:
+def _run_all(args, script, run_args, world_size, chosen, work, base, started) -> int:
     # 2. rank 0, then the classes
-    first = _run_rank(args, script, 0, world_size, work, "rank 0 (finds the topology)")
+    first = _run_rank(args, script, run_args, 0, world_size, work, "rank 0 (finds the topology)")
     if _failed(first, "rank 0"):
         _finish(args, base, started)
         return EXIT_FAILED
@@ -120,13 +133,13 @@ def _run_all(args, script, world_size, chosen, work, base, started) -> int:
     entries = []
     for rank_class, rank in plan:
         label = f"class {rank_class.label}"
-        run = runs.get(rank) or _run_rank(args, script, rank, world_size, work, label)
+        run = runs.get(rank) or _run_rank(args, script, run_args, rank, world_size, work, label)
         runs[rank] = run
         if _failed(run, label, rank_class):
             _finish(args, base, started)
             return EXIT_FAILED
         covered = rank_class if chosen == "auto" else classes.RankClass(rank_class.key, [rank], rank)
-        entries.append(report.class_entry(covered, run, stages))
+        entries.append(report.class_entry(covered, run, stages, base["schedule_microbatches"]))
 
     # 4. the report
     base["rank_classes"] = entries

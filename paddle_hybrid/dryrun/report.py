@@ -52,7 +52,9 @@ def _communication(probe) -> list:
             for (op, group), (calls, nbytes) in sorted(summary.items(), key=lambda kv: (kv[0][0], kv[0][1] or ()))]
 
 
-def class_entry(rank_class, run, stages: int) -> dict:
+def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None = None) -> dict:
+    """``schedule_microbatches``: the script's own microbatches a step, where the run took fewer
+    (``--measure-microbatches``); the schedule's in-flight count is composed with it."""
     probe = run.probe or {}
     topology = probe.get("topology") or {}
     stage = int(topology.get("stage", 0)) if topology else 0
@@ -60,7 +62,7 @@ def class_entry(rank_class, run, stages: int) -> dict:
     microbatches = int(probe.get("microbatches", 0) or 0)
     activations = int(probe.get("activations_bytes_per_step", 0) or 0)
     per_microbatch = activations // microbatches if microbatches else activations
-    flight = in_flight(stage, stages, chunks, microbatches)
+    flight = in_flight(stage, stages, chunks, schedule_microbatches or microbatches)
     params, grads, optim = (_total(probe.get(k)) for k in ("parameters", "gradients", "optimizer"))
     return {
         "class": rank_class.label, "ranks": rank_class.ranks, "representative": rank_class.representative,

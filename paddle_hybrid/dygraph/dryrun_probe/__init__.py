@@ -37,6 +37,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 from ...gloo import fake_world
 from ...registry.component import Component
@@ -95,6 +96,7 @@ class _Probe:
         from paddle.base import core
 
         self.record["updates"] += 1
+        self.record.setdefault("update_times", []).append(time.time())
         self.record.setdefault("comm_marks", []).append(len(fake_world.log() if fake_world.active() else self.comm))
         if fake_world.active():  # the dry run shows which rank is where
             print(f"[paddle_hybrid.dryrun] rank {self.record['rank']}: optimizer step {self.record['updates']} done",
@@ -108,6 +110,7 @@ class _Probe:
         elif self.record["updates"] == 2:
             self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
             self.record["peak_window"] = "step 2"
+            self.record["step_2_seconds"] = self.record["update_times"][1] - self.record["update_times"][0]
             self.record["activations_bytes_per_step"] = self.saved["bytes"]
             self.record["microbatches"] = self.saved["backward_calls"]
             self.window_open = False

@@ -1,0 +1,130 @@
+"""``python -m paddle_hybrid.dryrun`` at real size, and its own cost.
+
+Cases (``--case``, several allowed; default ``cost``):
+
+* ``llama8b-128``: LLaMA-3-8B's configuration (hidden 4096, 32 layers, 32 heads, 8 kv heads, FFN 14336,
+  vocabulary 128256; random weights from the configuration, nothing downloaded) through PaddleFormers'
+  Trainer (``examples/paddleformers_trainer.py --init_from_config``), sequence ``--seq`` (4096),
+  micro-batch 1, 8 microbatches a step, at tp8 x pp4 on 16 x 8 = 128 ranks (PaddleFormers gives the
+  remaining 4 to sharding stage 1).  Each rank runs one microbatch a step
+  (``--measure-microbatches 1``) and the schedule's in-flight count is composed.  ``--ranks``: which
+  ranks to run (default: the representative of each pipeline stage at sharding rank 0).
+* ``llama8b-1024``: the same model at tp8 x pp8 on 128 x 8 = 1024 ranks (PaddleFormers 1.2's Trainer has
+  no virtual-pipeline flag; the remaining 16 go to sharding).
+* ``cost``: the dry run's time per rank class against the same rank's step in a real run, at a size where
+  both run (``examples/gpt_pp.py`` pp2, hidden 512, 2 processes on 2 cores): step 2's seconds in each.
+
+Prints a table, writes ``--out`` (JSON): per case, per rank run, wall seconds, peak resident bytes of its
+process, and the report's figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINER = os.path.join(ROOT, "examples", "paddleformers_trainer.py")
+GPT = os.path.join(ROOT, "examples", "gpt_pp.py")
+LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "float32"}
+CPU = ["--device", "cpu", "--bf16", "false", "--fp16", "false", "--amp_master_grad", "false", "--split_param", "false",
+       "--report_to", "none"]
+LAYOUTS = {"llama8b-128": (16, 8, 8, 4, "0,32,64,96"), "llama8b-1024": (128, 8, 8, 8, "0,128,256,384,512,640,768,896")}
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="2")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def llama(case: str, work: str, seq: int, ranks: str | None) -> dict:
+    nnodes, nproc, tp, pp, default_ranks = LAYOUTS[case]
+    model = os.path.join(work, "llama-3-8b-config")
+    os.makedirs(model, exist_ok=True)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(LLAMA_3_8B, f)
+    report = os.path.join(work, f"{case}.json")
+    cmd = [sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
+           "--ranks", ranks or default_ranks, "--measure-microbatches", "1", "--work", os.path.join(work, case),
+           "--json", report, TRAINER, "--model_name_or_path", model, "--init_from_config", "true", "--output_dir",
+           os.path.join(work, f"{case}-out"), *CPU, "--max_steps", "2", "--gradient_accumulation_steps", "8",
+           "--per_device_train_batch_size", "1", "--seq_length", str(seq), "--num_samples", "64", "--save_strategy",
+           "no", "--logging_steps", "1", "--tensor_model_parallel_size", str(tp), "--pipeline_model_parallel_size",
+           str(pp)]
+    start = time.time()
+    proc = subprocess.run(cmd, env=_env(), text=True, capture_output=True)
+    print(proc.stdout, flush=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+    with open(report) as f:
+        result = json.load(f)
+    result["bench_wall_s"] = round(time.time() - start, 1)
+    result["returncode"] = proc.returncode
+    return result
+
+
+def cost(work: str) -> dict:
+    """Step 2 of rank 0 (stage 0) and rank 1 (stage 1): in a real 2-process run, and in the dry run."""
+    args = ["--pp", "2", "--steps", "2", "--layers", "4", "--hidden", "512", "--heads", "8", "--seq-len", "256",
+            "--micro-batch-size", "4", "--accumulate-steps", "4", "--out-dir", os.path.join(work, "gpt-out")]
+    real_probe = os.path.join(work, "cost-real")
+    env = _env()
+    env.update(PADDLE_HYBRID_DRYRUN_PROBE=real_probe)
+    subprocess.run([sys.executable, "-m", "paddle_hybrid.launch", "--nproc_per_node", "2", "--log_dir",
+                    os.path.join(work, "cost-real-log"), GPT, *args], env=env, check=True, capture_output=True)
+    dry = os.path.join(work, "cost-dry")
+    subprocess.run([sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "1", "--nproc_per_node", "2", "--work",
+                    dry, "--json", os.path.join(work, "cost-dry.json"), GPT, *args], env=_env(), check=True,
+                   capture_output=True)
+    rows = []
+    for rank in (0, 1):
+        with open(os.path.join(real_probe, f"probe.{rank}.json")) as f:
+            real = json.load(f)
+        with open(os.path.join(dry, "probes", f"probe.{rank}.json")) as f:
+            fake = json.load(f)
+        rows.append({"rank": rank, "real_step_2_s": round(real["step_2_seconds"], 3),
+                     "dry_step_2_s": round(fake["step_2_seconds"], 3),
+                     "ratio": round(fake["step_2_seconds"] / real["step_2_seconds"], 3)})
+    return {"rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", action="append", choices=["cost", *LAYOUTS], help="default: cost")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--ranks", default=None, help="ranks to run (the dry run's --ranks)")
+    p.add_argument("--out", default="runs/bench_dryrun.json")
+    p.add_argument("--work", default=None)
+    args = p.parse_args(argv)
+    work = args.work or tempfile.mkdtemp(prefix="bench_dryrun_")
+    results = {}
+    for case in args.case or ["cost"]:
+        results[case] = cost(work) if case == "cost" else llama(case, work, args.seq, args.ranks)
+    print("\ncase            rank/class          wall s   peak RSS GiB   peak alloc GiB   composed GiB")
+    for case, result in results.items():
+        if case == "cost":
+            for row in result["rows"]:
+                print(f"{case:15} rank {row['rank']:<14} real step 2 {row['real_step_2_s']} s, dry {row['dry_step_2_s']} s"
+                      f" ({row['ratio']}x)")
+            continue
+        for c in result.get("rank_classes", []):
+            print(f"{case:15} {c['class'] + ' r' + str(c['representative']):19} {c['wall_s']:7.1f}   "
+                  f"{c['max_rss_bytes'] / 2**30:12.2f}   {c['peak_bytes'] / 2**30:14.2f}   "
+                  f"{c['composed_peak_bytes'] / 2**30:12.2f}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
