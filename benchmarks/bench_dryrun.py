@@ -36,7 +36,9 @@ LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "float32"}
 CPU = ["--device", "cpu", "--bf16", "false", "--fp16", "false", "--amp_master_grad", "false", "--split_param", "false",
        "--report_to", "none"]
-LAYOUTS = {"llama8b-128": (16, 8, 8, 4, "0,32,64,96"), "llama8b-1024": (128, 8, 8, 8, "0,128,256,384,512,640,768,896")}
+# (nnodes, nproc, tp, pp, the ranks run by default: each stage's first at sharding rank 0; PaddleFormers orders
+# fleet's axes data, sharding, pipe, sep, model, so stage s starts at rank tp * s)
+LAYOUTS = {"llama8b-128": (16, 8, 8, 4, "0,8,16,24"), "llama8b-1024": (128, 8, 8, 8, "0,8,16,24,32,40,48,56")}
 
 
 def _env():
