@@ -148,7 +148,11 @@ def test_fixes_are_listed_once_the_trainer_is_imported(work):
                                     # trainer_resume: the Trainer's two methods, the function in both modules
                                     "train", "_save_checkpoint", "get_last_checkpoint", "get_last_checkpoint",
                                     # trainer_start (cpu_precision, recompute_flags): Trainer.__init__
-                                    "__init__"]), after
+                                    "__init__",
+                                    # auto_parallel_weights: gathered after training and for saves, the fused
+                                    # optimizer state saved and loaded per parameter
+                                    "fully_shard", "_inner_training_loop", "train", "_save",
+                                    "_save_flex_optimizer_state", "_load_flex_checkpoint"]), after
 
 
 DIES_ONCE = os.path.join(ROOT, "paddle_hybrid", "testing", "trainer_dies_once.py")
