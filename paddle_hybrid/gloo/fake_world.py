@@ -26,9 +26,10 @@ first for ``*_into_tensor``, ``reduce_scatter`` and ``all_to_all``), as the prob
 - ``recv`` / ``broadcast`` from another rank: what that rank sent, when its run was recorded
   earlier in this dry run (the world file's ``replay`` directory: an integer tensor, such as a
   pipeline's meta message or the labels the first stage sends the last, carries its values up to
-  :data:`KEPT_INTEGER_ELEMENTS` elements, a floating one up to :data:`KEPT_ELEMENTS`); otherwise a floating tensor
-  becomes ones and an integer tensor keeps this rank's values (a broadcast's source is assumed to
-  hold what this rank holds).  An integer ``recv`` from a rank with no record is an error naming
+  :data:`KEPT_INTEGER_ELEMENTS` elements, a floating one up to :data:`KEPT_ELEMENTS`; a larger integer
+  send, such as the bytes of the plugin's fused pipeline message, arrives as zeros); otherwise a
+  floating tensor becomes ones and an integer tensor keeps this rank's values (a broadcast's source
+  is assumed to hold what this rank holds).  An integer ``recv`` from a rank with no record is an error naming
   both: its values decide shapes, and guessing them would run another program than the real one.
 
 Every call is logged (operation, the group's global ranks, bytes of this rank's tensor, in call
@@ -283,6 +284,8 @@ def _fill_from(tensor, source: int, me: int, op: str, key) -> None:
             tensor.copy_(paddle.to_tensor(values), False)
         elif _is_float(tensor):
             tensor.copy_(paddle.ones(tensor.shape, tensor.dtype), False)
+        elif entry is not None:  # sent, too large to keep: a payload (a fused message's bytes), not a shape
+            tensor.copy_(paddle.zeros(tensor.shape, tensor.dtype), False)
         elif op == "recv":
             raise FakeWorldError(
                 f"paddle_hybrid.dryrun: rank {me} receives an integer tensor {list(tensor.shape)} from rank {source}, "
