@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 
 from ..registry.device import is_gloo
-from . import fake_world
 
 __all__ = ["apply_reduce_scatter", "reduce_scatter_on_gloo", "DoneTask"]
 
@@ -59,7 +58,9 @@ def reduce_scatter_on_gloo(out_tensor, in_tensor, op, group, use_kernel: bool) -
 
     nranks, rank = group.nranks, group.rank
     _check_rows(out_tensor, in_tensor, nranks)
-    if fake_world.is_fake(group.process_group):  # a dry run's group: no comm context for the C++ kernel
+    from .fake_world import is_fake  # (fake_world builds on this module's DoneTask)
+
+    if is_fake(group.process_group):  # a dry run's group: no comm context for the C++ kernel
         group.process_group.reduce_scatter(out_tensor, in_tensor, op, True)
         return
     with paddle.no_grad():

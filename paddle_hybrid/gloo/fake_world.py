@@ -43,6 +43,9 @@ import json
 import os
 import socket
 
+from ..common.tensor_bytes import nbytes
+from .collectives import DoneTask
+
 __all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "log", "is_fake"]
 
 KEPT_ELEMENTS = 64  # float tensors up to this size carry their values into the record (losses, scales)
@@ -68,23 +71,6 @@ def is_fake(process_group) -> bool:
 def log() -> list:
     """This process's communication so far: dicts of op, group (global ranks), bytes."""
     return list(_STATE["log"])
-
-
-class _Done:
-    """A finished task (every fake call completes at once)."""
-
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
-
-    def synchronize(self):
-        return None
-
-
-def _nbytes(tensor) -> int:
-    return int(tensor._numel()) * int(tensor.element_size())
 
 
 def _is_float(tensor) -> bool:
@@ -118,34 +104,34 @@ class FakeProcessGroup:
         return self._ranks[local] if self._ranks is not None else local
 
     def _record(self, op: str, tensor, **extra) -> None:
-        entry = {"op": op, "group": self._ranks, "bytes": _nbytes(tensor) if tensor is not None else 0}
+        entry = {"op": op, "group": self._ranks, "bytes": nbytes(tensor) if tensor is not None else 0}
         entry.update(extra)
         _STATE["log"].append(entry)
 
     # -- collectives
     def all_reduce(self, tensor, op=None, sync_op=True, *args, **kwargs):
         self._record("all_reduce", tensor)
-        return _Done()
+        return DoneTask()
 
     all_reduce_on_calc_stream = all_reduce
 
     def reduce(self, tensor, dst, op=None, sync_op=True, *args, **kwargs):
         self._record("reduce", tensor)
-        return _Done()
+        return DoneTask()
 
     reduce_on_calc_stream = reduce
 
     def broadcast(self, tensor, src, sync_op=True, *args, **kwargs):
         self._record("broadcast", tensor)
         if src != self._rank:
-            _fill_from(tensor, self._global(src), _world()["rank"], "broadcast", key=("bcast", self._ranks))
-        return _Done()
+            _fill_from(tensor, self._global(src), _world()["rank"], "broadcast")
+        return DoneTask()
 
     broadcast_on_calc_stream = broadcast
 
     def barrier(self, *args, **kwargs):
         _STATE["log"].append({"op": "barrier", "group": self._ranks, "bytes": 0})
-        return _Done()
+        return DoneTask()
 
     def all_gather(self, first, second, *args, **kwargs):
         # Paddle's overloads: (input, output tensor) and (output list, input)
@@ -153,7 +139,7 @@ class FakeProcessGroup:
             return self._gather_list(first, second)
         self._record("all_gather", first)
         _tile(second, first, self._size)
-        return _Done()
+        return DoneTask()
 
     def all_gather_on_calc_stream(self, first, second, *args, **kwargs):  # (output list or tensor, input)
         if isinstance(first, list):
@@ -165,19 +151,19 @@ class FakeProcessGroup:
         self._record("all_gather", tensor)
         del out_list[:]
         out_list.extend(tensor.clone() for _ in range(self._size))
-        return _Done()
+        return DoneTask()
 
     def all_gather_into_tensor(self, out, tensor, *args, **kwargs):
         self._record("all_gather", out)
         _tile(out, tensor, self._size)
-        return _Done()
+        return DoneTask()
 
     all_gather_into_tensor_on_calc_stream = all_gather_into_tensor
 
     def reduce_scatter(self, out, tensor, op=None, sync_op=True, *args, **kwargs):
         self._record("reduce_scatter", out)
         _own_slot(out, tensor, self._rank, self._size)
-        return _Done()
+        return DoneTask()
 
     reduce_scatter_tensor = reduce_scatter
     reduce_scatter_tensor_on_calc_stream = reduce_scatter
@@ -185,7 +171,7 @@ class FakeProcessGroup:
     def all_to_all(self, out, tensor, *args, **kwargs):
         self._record("all_to_all", out)
         _copy_prefix(out, tensor)
-        return _Done()
+        return DoneTask()
 
     all_to_all_tensor = all_to_all
     all_to_all_on_calc_stream = all_to_all
@@ -194,7 +180,7 @@ class FakeProcessGroup:
     def alltoall(self, tensor, out, *args, **kwargs):  # (input, output), as Paddle's
         self._record("all_to_all", tensor)
         _copy_prefix(out, tensor)
-        return _Done()
+        return DoneTask()
 
     alltoall_single = alltoall
 
@@ -203,7 +189,7 @@ class FakeProcessGroup:
         peer = self._global(dst)
         self._record("send", tensor, peer=peer)
         _keep_sent(tensor, _world()["rank"], peer)
-        return _Done()
+        return DoneTask()
 
     send_on_calc_stream = send
     send_partial = send
@@ -211,8 +197,8 @@ class FakeProcessGroup:
     def recv(self, tensor, src, sync_op=True, *args, **kwargs):
         peer = self._global(src)
         self._record("recv", tensor, peer=peer)
-        _fill_from(tensor, peer, _world()["rank"], "recv", key=("p2p", peer))
-        return _Done()
+        _fill_from(tensor, peer, _world()["rank"], "recv")
+        return DoneTask()
 
     recv_on_calc_stream = recv
     recv_partial = recv
@@ -268,7 +254,7 @@ def _keep_sent(tensor, me: int, peer: int) -> None:
     _STATE["sent"].setdefault(f"{me}->{peer}", []).append(entry)
 
 
-def _fill_from(tensor, source: int, me: int, op: str, key) -> None:
+def _fill_from(tensor, source: int, me: int, op: str) -> None:
     """``tensor`` as received from ``source`` (see the module docstring)."""
     import numpy as np
     import paddle

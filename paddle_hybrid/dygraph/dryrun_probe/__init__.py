@@ -39,6 +39,7 @@ import os
 import sys
 import time
 
+from ...common.tensor_bytes import nbytes
 from ...gloo import fake_world
 from ...registry.component import Component
 
@@ -59,11 +60,10 @@ LOGGED_METHODS = tuple(_OP)
 
 
 def _nbytes(tensor) -> int:
+    """This rank's bytes of ``tensor``: a DistTensor's local value, nothing for a freed one."""
     if tensor.is_dist():
         tensor = tensor._local_value()
-    if not tensor._is_initialized():
-        return 0
-    return int(tensor._numel()) * int(tensor.element_size())
+    return nbytes(tensor) if tensor._is_initialized() else 0
 
 
 def _by_dtype(tensors) -> dict:
@@ -82,6 +82,7 @@ class _Probe:
         self.saved = {"bytes": 0, "ptrs": set(), "backward_calls": 0, "in_backward": 0}
         self.window_open = False
         self.comm = []
+        self.groups = {}  # id(process group) -> its global ranks (a real run)
 
     # -- the first and second optimizer updates
     def before_update(self, optimizer, params_grads) -> None:
@@ -135,7 +136,7 @@ class _Probe:
             self.saved["ptrs"] = set()  # a storage freed by one backward may be reused by the next forward
 
     def _real_log(self):
-        groups = getattr(self, "groups", {})
+        groups = self.groups
         log = []
         for e in self.comm:
             group = groups.get(e["_pg"])
@@ -284,8 +285,7 @@ def _make_logged(stock, op, probe):
     @functools.wraps(stock)
     def method(self, *args, **kwargs):
         tensor = next((a for a in args if hasattr(a, "_numel")), None)
-        entry = {"op": op, "group": None, "bytes": int(tensor._numel()) * int(tensor.element_size())
-                 if tensor is not None else 0, "_pg": id(self)}
+        entry = {"op": op, "group": None, "bytes": nbytes(tensor) if tensor is not None else 0, "_pg": id(self)}
         if op in ("send", "recv"):  # the peer's place in the group follows the tensor
             entry["_peer"] = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
         probe.comm.append(entry)
@@ -327,7 +327,6 @@ def _log_real_groups(patcher, probe) -> None:
                                                                    probe))
     import paddle.distributed.collective as collective
 
-    groups = {}
     original = collective._new_process_group_impl
 
     def _new_process_group_impl(backend, store, rank, world_size, group_name, pg_options, group_id=0, *a, **k):
@@ -335,8 +334,7 @@ def _log_real_groups(patcher, probe) -> None:
 
         pg = original(backend, store, rank, world_size, group_name, pg_options, group_id, *a, **k)
         members = _members_being_created(world_size)
-        groups[id(pg)] = members if members is not None else list(range(world_size))
-        probe.groups = groups
+        probe.groups[id(pg)] = members if members is not None else list(range(world_size))
         return pg
 
     import paddle.distributed.parallel as parallel
