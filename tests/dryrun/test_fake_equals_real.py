@@ -105,42 +105,17 @@ def _assert_moves(real, fake):
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
     work = tmp_path_factory.mktemp("dryrun")
-    out = str(work / "out")
-    real_dir = str(work / "real")
-    launch(GPT, 8, args=[*ARGS, "--out-dir", out], env={**SAME_PATH, "PADDLE_HYBRID_DRYRUN_PROBE": real_dir},
-           results=False, launcher="paddle_hybrid.launch", timeout=600)
-    report = str(work / "dry.json")
-    proc = subprocess.run([sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "1", "--nproc_per_node", "8",
-                           "--ranks", "all", "--work", str(work / "dry"), "--json", report, GPT, *ARGS,
-                           "--out-dir", out], env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    real, fake = {}, {}
-    for rank in range(8):
-        with open(os.path.join(real_dir, f"probe.{rank}.json")) as f:
-            real[rank] = json.load(f)
-        with open(str(work / "dry" / "probes" / f"probe.{rank}.json")) as f:
-            fake[rank] = json.load(f)
-    with open(report) as f:
-        return {"real": real, "fake": fake, "report": json.load(f), "stdout": proc.stdout}
+    return _compare_runs(work, GPT, 8, [*ARGS, "--out-dir", str(work / "out")])
 
 
 @pytest.mark.parametrize("rank", range(8))
 def test_every_rank_holds_what_the_real_rank_holds(both, rank):
-    real, fake = both["real"][rank], both["fake"][rank]
-    for key in ("parameters", "gradients", "optimizer", "activations_bytes_per_step", "microbatches", "topology"):
-        assert fake[key] == real[key], (rank, key, fake[key], real[key])
-    assert fake["peak_window"] == real["peak_window"] == "step 2"
-    assert abs(fake["peak_bytes"] - real["peak_bytes"]) <= PEAK_RTOL * real["peak_bytes"], (fake["peak_bytes"],
-                                                                                            real["peak_bytes"])
+    _assert_holds(both["real"][rank], both["fake"][rank], rank)
 
 
 @pytest.mark.parametrize("rank", range(8))
 def test_every_rank_moves_what_the_real_rank_moves(both, rank):
-    real, fake = both["real"][rank]["communication"], both["fake"][rank]["communication"]
-    assert len(fake) == len(real), (len(fake), len(real))
-    for index, (f, r) in enumerate(zip(fake, real)):
-        assert f == r, (index, f, r)
-    assert both["fake"][rank]["comm_marks"] == both["real"][rank]["comm_marks"]
+    _assert_moves(both["real"][rank], both["fake"][rank])
 
 
 def _shape_of(communication):
