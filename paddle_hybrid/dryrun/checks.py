@@ -35,9 +35,9 @@ class ConfigError:
         return f"{self.field}: {self.message}"
 
 
+# PaddleFormers 1.2's TrainingArguments has no virtual-pipeline flag: vp stays 1 for a Trainer.
 TRAINER_FLAGS = {"mp": "--tensor_model_parallel_size", "pp": "--pipeline_model_parallel_size",
-                 "sharding": "--sharding_parallel_size", "sep": "--sep_parallel_size",
-                 "vp": "--virtual_pipeline_model_parallel_size"}
+                 "sharding": "--sharding_parallel_size", "sep": "--sep_parallel_size"}
 
 
 def degrees_of(kind: str, args: list, flags: dict | None, world_size: int) -> dict:

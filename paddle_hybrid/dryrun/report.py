@@ -91,7 +91,8 @@ def table(entries: list) -> str:
         calls = sum(c["calls"] for c in e["communication"])
         rows.append((e["class"], describe_ranks(e["ranks"]), gib(e["parameters_bytes"]), gib(e["gradients_bytes"]),
                      gib(e["optimizer_bytes"]), gib(e["activations_bytes_per_microbatch"]),
-                     f"{e['in_flight_microbatches']:g}", gib(e["peak_bytes"]), gib(e["composed_peak_bytes"]),
+                     f"{e['in_flight_microbatches']:g}", f"{gib(e['peak_bytes'])} ({e['microbatches']} mb)",
+                     gib(e["composed_peak_bytes"]),
                      f"{calls} calls, {gib(comm)}"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]

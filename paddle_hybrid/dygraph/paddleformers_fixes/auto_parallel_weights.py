@@ -152,10 +152,9 @@ def _make_load(stock, names):
     @functools.wraps(stock)
     def _load_flex_checkpoint(self, resume_from_checkpoint):
         fsdp = _fsdp_of(self)
+        # Hugging Face weights only (load_from_hf): Paddle's own load into the parameters, whole since
+        # fully_shard; the training loop's start writes them into the pieces.
         if fsdp is None or self.args.load_from_hf:
-            if fsdp is not None:  # the HF path loads model weights only, into the parameters
-                with fused_fsdp.whole_parameters(fsdp, write_back=True):
-                    return stock(self, resume_from_checkpoint)
             return stock(self, resume_from_checkpoint)
         _load(self, fsdp, resume_from_checkpoint, names)
 
