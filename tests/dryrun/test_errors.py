@@ -3,9 +3,10 @@ named with the class and the ranks it stands for (exit 2).
 
 The Trainer cases use ``examples/paddleformers_trainer.py`` with a ``config.json`` written here (the
 checks read the model's configuration; nothing is loaded, nothing runs): each planted error is named
-with its field, its values and the fix, and no rank was started (no ``rank0.log``).  Seen failing first:
-the dry run had no checks (it started rank 0, which ran fleet.init and failed at its own assertion, or
-trained an uneven layout), and the stage-1 failure was reported without its class.
+with its field, its values and the fix, and no rank was started (no ``rank0.log``).  Seen failing with
+the checks switched off: rank 0 was started, ran PaddleFormers' loader on the 8B configuration and the
+dry run ended with exit 2 ("the script failed in rank 0") instead of the named error.  The stage-1 case
+was written with the class naming in place (not seen failing).
 """
 import json
 import os

@@ -159,8 +159,9 @@ def resumed(work, models, fmt, name, nprocs, flags):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_auto_parallel_resume_continues_the_run(work, models, fmt):
     """A checkpoint of auto-parallel DP2 (step 2) resumed on the auto path: steps 3 and 4 as the
-    uninterrupted run.  Seen failing first: the save stopped ("DistTensor is not defined yet"); the
-    Hugging Face checkpoint held no optimizer state (moments restarted: step 4 off, see below)."""
+    uninterrupted run.  Seen failing first: the save stopped ("DistTensor is not defined yet"), and so did
+    the resume, in ``model.sharded_state_dict()``; a stock Hugging Face checkpoint holds no optimizer
+    state, and fresh moments give another step 4 (the test below)."""
     uninterrupted = saving_run(work, models, fmt)["losses"][0]
     got = resumed(work, models, fmt, f"dp2-auto-resumed-{fmt}", 2, [*SAVE_AT_2, *FORMATS[fmt], *AUTO])
     assert_losses(got, uninterrupted, [3, 4], f"auto-parallel DP2 resumed ({fmt})")
