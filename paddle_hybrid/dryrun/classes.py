@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 
-__all__ = ["RankClass", "classes_of", "describe_ranks", "KEY_AXES"]
+__all__ = ["RankClass", "classes_of", "describe_ranks", "KEY_AXES", "coordinates", "corresponding_group"]
 
 KEY_AXES = ("pipe", "sharding")  # the axes whose coordinate changes what a rank holds
 
@@ -61,6 +61,19 @@ def classes_of(topology: dict | None, world_size: int) -> list:
         representative = next(r for r in ranks if all(v == 0 for a, v in coords[r].items() if a not in keys))
         out.append(RankClass(dict(zip(keys, key)), ranks, representative))
     return out
+
+
+def corresponding_group(group: list, source: int, target: int, coords: list) -> list:
+    """The group of ``target`` that plays the part ``group`` plays for ``source``: each member moved to
+    ``target``'s coordinates on the axes the group does not span (a tensor-parallel group of stage 0's
+    sharding rank 0 becomes the one of sharding rank 1; a pipeline pair stays a pipeline pair)."""
+    spanned = {axis for axis in coords[source] if len({coords[m][axis] for m in group}) > 1}
+    index = {tuple(sorted(c.items())): rank for rank, c in enumerate(coords)}
+    moved = []
+    for member in group:
+        place = {axis: (coords[member][axis] if axis in spanned else coords[target][axis]) for axis in coords[target]}
+        moved.append(index[tuple(sorted(place.items()))])
+    return moved
 
 
 def describe_ranks(ranks) -> str:

@@ -131,8 +131,17 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
     plan = _plan(rank_classes, chosen)
     runs = {0: first}
     entries = []
+    measured = {}  # pipeline stage -> (its sharding rank 0's entry, that run's sharding partition)
+    coords = classes.coordinates(topology["names"], topology["degrees"]) if topology else None
     for rank_class, rank in plan:
         label = f"class {rank_class.label}"
+        source = measured.get(rank_class.key.get("pipe")) if chosen == "auto" else None
+        if source is not None and rank_class.key.get("sharding", 0) != 0:
+            # the sharding ranks of a stage differ only by the optimizer state of the parameters each updates
+            entries.append(report.derived_entry(rank_class, source[0], source[1], coords))
+            _say(f"[paddle_hybrid.dryrun] {label}: derived from rank {source[0]['representative']}'s run and its "
+                 "sharding partition")
+            continue
         run = runs.get(rank) or _run_rank(args, script, run_args, rank, world_size, work, label)
         runs[rank] = run
         if _failed(run, label, rank_class):
@@ -140,6 +149,9 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
             return EXIT_FAILED
         covered = rank_class if chosen == "auto" else classes.RankClass(rank_class.key, [rank], rank)
         entries.append(report.class_entry(covered, run, stages, base["schedule_microbatches"]))
+        partition = (run.probe or {}).get("sharding_partition")
+        if partition is not None and rank_class.key.get("sharding", 0) == 0:
+            measured[rank_class.key.get("pipe")] = (entries[-1], partition)
 
     # 4. the report
     base["rank_classes"] = entries
@@ -167,6 +179,9 @@ def _notes() -> list:
         "measured: parameters, gradients, optimizer state, activations saved for backward and the allocator's peak "
         "in step 2, communication of step 2; composed: microbatches in flight (the schedule) and composed_peak_bytes",
         "a CPU's allocator: a GPU adds its caching allocator's fragmentation, workspaces and communication buffers",
+        "derived_from: a sharding rank's class derived from its stage's sharding rank 0 (run): the same parameters, "
+        "gradients, activations and calls on its own groups, its own optimizer state from the partition that run's "
+        "sharding optimizer made",
     ]
 
 

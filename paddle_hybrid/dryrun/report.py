@@ -5,8 +5,9 @@ JSON: ``{"world", "nnodes", "nproc_per_node", "degrees", "errors": [{"field", "m
 "rank_classes": [{"class", "ranks", "representative", "parameters_bytes", "gradients_bytes",
 "optimizer_bytes", "activations_bytes", "activations_bytes_per_microbatch", "microbatches",
 "in_flight_microbatches", "peak_bytes", "peak_window", "composed_peak_bytes", "communication": [{"op",
-"group", "calls", "bytes"}], "wall_s", "max_rss_bytes"}], "wall_s", "notes": [...]}``; bytes are
-integers; every rank of the world is in exactly one class.
+"group", "calls", "bytes"}], "wall_s", "max_rss_bytes", "derived_from"}], "wall_s", "notes": [...]}``; bytes
+are integers; every rank of the world is in exactly one class.  ``derived_from`` is null for a class
+whose representative ran, else the rank whose run it was derived from (:func:`derived_entry`).
 
 Measured: parameters, gradients, optimizer state (bytes of this rank's tensors), activations saved
 for backward in step 2 (per microbatch: divided by its backward calls), the allocator's peak in step
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import json
 
-from .classes import describe_ranks
+from .classes import corresponding_group, describe_ranks
 
-__all__ = ["class_entry", "in_flight", "table", "write_json", "gib"]
+__all__ = ["class_entry", "derived_entry", "in_flight", "table", "write_json", "gib"]
 
 
 def _total(by_dtype) -> int:
@@ -74,7 +75,29 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         "peak_bytes": int(probe.get("peak_bytes", 0) or 0), "peak_window": probe.get("peak_window"),
         "composed_peak_bytes": int(params + grads + optim + per_microbatch * flight),
         "communication": _communication(probe), "wall_s": round(run.wall_s, 2), "max_rss_bytes": run.max_rss_bytes,
+        "derived_from": None,
     }
+
+
+def derived_entry(rank_class, source: dict, partition: dict, coords: list) -> dict:
+    """The entry of a sharding rank's class from its stage's measured one (``source``, sharding rank 0):
+    the same parameters, gradients, activations and calls (on this class's own groups), its own share of
+    the optimizer state from the partition the measured rank's optimizer made (``partition``: the probe's
+    ``sharding_partition``); the peaks moved by the difference in optimizer state."""
+    own = {k: int(v) for k, v in partition["optimizer_by_rank"][str(rank_class.key["sharding"])].items() if v}
+    optim = sum(own.values())
+    delta = optim - source["optimizer_bytes"]
+    entry = dict(source)
+    entry.update({
+        "class": rank_class.label, "ranks": rank_class.ranks, "representative": rank_class.representative,
+        "optimizer_bytes": optim, "optimizer_by_dtype": own,
+        "peak_bytes": source["peak_bytes"] + delta, "composed_peak_bytes": source["composed_peak_bytes"] + delta,
+        "communication": [dict(c, group=corresponding_group(c["group"], source["representative"],
+                                                           rank_class.representative, coords)
+                               if c["group"] is not None else None) for c in source["communication"]],
+        "wall_s": 0.0, "max_rss_bytes": None, "derived_from": source["representative"],
+    })
+    return entry
 
 
 def gib(n) -> str:
@@ -91,13 +114,16 @@ def table(entries: list) -> str:
         calls = sum(c["calls"] for c in e["communication"])
         rows.append((e["class"], describe_ranks(e["ranks"]), gib(e["parameters_bytes"]), gib(e["gradients_bytes"]),
                      gib(e["optimizer_bytes"]), gib(e["activations_bytes_per_microbatch"]),
-                     f"{e['in_flight_microbatches']:g}", f"{gib(e['peak_bytes'])} ({e['microbatches']} mb)",
+                     f"{e['in_flight_microbatches']:g}",
+                     f"{gib(e['peak_bytes'])} ({e['microbatches']} mb"
+                     + (f", from r{e['derived_from']})" if e.get("derived_from") is not None else ")"),
                      gib(e["composed_peak_bytes"]),
                      f"{calls} calls, {gib(comm)}"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch)"
+    return "\n".join(lines) + ("\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch; "
+                               "from rN: derived from rank N's run, see the notes)")
 
 
 def write_json(path: str, report: dict) -> None:

@@ -21,6 +21,13 @@ elements times its element size):
 - **peak**: the allocator's peak from the end of the first update to the end of the second (the
   steady state: the optimizer state exists, one step's activations come and go); with one step only,
   from the start of the process (``peak_window`` says which);
+- **sharding partition** (sharding stage 1, fleet's ``DygraphShardingOptimizer``): the optimizer state
+  every other sharding rank of this stage holds, by dtype, from the partition this rank's optimizer
+  made (which parameters each sharding rank updates) and the state this rank's optimizer keeps per
+  parameter; recorded only when that rule gives this rank's own measured state exactly, so the dry
+  run can stand one run for every sharding rank of a stage (:func:`_sharding_partition`);
+- **routing**: how this rank's MoE gates routed, when any did (:mod:`paddle_hybrid.common.routing_record`:
+  ``forced-balanced`` in a dry run, with the tokens the last call sent each expert);
 - **topology**: fleet's degrees and this rank's coordinates, when the script made a hybrid
   communicate group;
 - **communication**: every call on the rank's process groups (operation, the group's global ranks,
@@ -39,6 +46,7 @@ import os
 import sys
 import time
 
+from ...common import routing_record
 from ...common.tensor_bytes import nbytes
 from ...gloo import fake_world
 from ...registry.component import Component
@@ -55,7 +63,12 @@ _OP = {"all_reduce": "all_reduce", "all_reduce_on_calc_stream": "all_reduce", "r
        "reduce_scatter_tensor_on_calc_stream": "reduce_scatter", "all_to_all": "all_to_all",
        "all_to_all_tensor": "all_to_all", "all_to_all_on_calc_stream": "all_to_all", "all_to_all_single": "all_to_all",
        "alltoall": "all_to_all", "alltoall_single": "all_to_all", "send": "send", "send_on_calc_stream": "send",
-       "recv": "recv", "recv_on_calc_stream": "recv"}
+       "recv": "recv", "recv_on_calc_stream": "recv", "allreduce": "all_reduce", "all_gather_partial": "all_gather",
+       "all_gather_partial_on_calc_stream": "all_gather", "reduce_scatter_on_calc_stream": "reduce_scatter",
+       "all_to_all_single_on_calc_stream": "all_to_all", "all_to_all_tensor_on_calc_stream": "all_to_all",
+       "gather": "gather", "scatter": "scatter", "scatter_on_calc_stream": "scatter", "scatter_tensor": "scatter",
+       "scatter_tensor_on_calc_stream": "scatter", "send_partial": "send", "send_partial_on_calc_stream": "send",
+       "recv_partial": "recv", "recv_partial_on_calc_stream": "recv"}
 LOGGED_METHODS = tuple(_OP)
 
 
@@ -104,6 +117,9 @@ class _Probe:
                   file=sys.stderr, flush=True)
         if self.record["updates"] == 1:
             self.record["optimizer"] = _by_dtype(_optimizer_state(self.optimizers))
+            partition = _sharding_partition(self.optimizers, self.record["optimizer"])
+            if partition is not None:
+                self.record["sharding_partition"] = partition
             core.host_memory_stat_reset_peak_value("Allocated", 0)
             self.saved.update(bytes=0, ptrs=set(), backward_calls=0)
             self.record["recomputed_bytes_per_step"] = 0
@@ -157,6 +173,9 @@ class _Probe:
         self.record["topology"] = _topology()
         self.record["virtual_stages"] = _virtual_stages()
         self.record["communication"] = fake_world.log() if fake_world.active() else self._real_log()
+        routing = routing_record.summary()
+        if routing is not None:  # MoE gates routed here (forced-balanced in a dry run)
+            self.record["routing"] = routing
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, f"probe.{self.record['rank']}.json"), "w") as f:
             json.dump(self.record, f)
@@ -198,6 +217,69 @@ def _optimizer_state(optimizers):
                 seen.add(id(tensor))
                 state.append(tensor)
     return state
+
+
+def _dtype_name(tensor) -> str:
+    return str(tensor.dtype).replace("paddle.", "")
+
+
+def _state_rule(optimizers) -> dict | None:
+    """What the optimizers keep per parameter, by the parameter's dtype: ``[(state dtype, bytes per
+    element of the parameter, fixed bytes)]``, one of the two 0 (Adam's moments follow the parameter's
+    shape, its beta powers are one element); None when two parameters of one dtype keep different kinds."""
+    rule = {}
+    for optimizer in optimizers:
+        params = {p.name: p for p in getattr(optimizer, "_parameter_list", None) or [] if hasattr(p, "name")}
+        per_param = {}
+        for acc in getattr(optimizer, "_accumulators", {}).values():
+            for name, tensor in acc.items():
+                per_param.setdefault(name, []).append(tensor)
+        for name, tensor in getattr(optimizer, "_master_weights", {}).items():
+            per_param.setdefault(name, []).append(tensor)
+        for name, tensors in per_param.items():
+            param = params.get(name)
+            if param is None:
+                continue
+            shaped = [t._numel() == param._numel() for t in tensors]
+            kinds = sorted((_dtype_name(t), nbytes(t) // param._numel() if s else 0, 0 if s else nbytes(t))
+                           for t, s in zip(tensors, shaped))
+            if rule.setdefault(_dtype_name(param), kinds) != kinds:
+                return None
+    return rule
+
+
+def _state_bytes(rule: dict, params) -> dict | None:
+    out = {}
+    for param in params:
+        kinds = rule.get(_dtype_name(param))
+        if kinds is None:  # no parameter of this dtype here to learn the rule from
+            return None
+        for dtype, per_element, fixed in kinds:
+            out[dtype] = out.get(dtype, 0) + per_element * param._numel() + fixed
+    return out
+
+
+def _sharding_partition(optimizers, measured: dict) -> dict | None:
+    """``{"sharding_rank": r, "optimizer_by_rank": {rank: bytes by dtype}}`` for fleet's sharding stage 1
+    (see the module docstring), or None (no such optimizer, or the rule does not give this rank's own)."""
+    try:
+        from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import \
+            DygraphShardingOptimizer
+    except ImportError:
+        return None
+    sharding = next((o for o in gc.get_objects() if isinstance(o, DygraphShardingOptimizer)), None)
+    if sharding is None:
+        return None
+    owned = getattr(sharding, "_rank2fused", None) or getattr(sharding, "_rank2params", None) or {}
+    rule = _state_rule(optimizers)
+    if not owned or rule is None:
+        return None
+    by_rank = {int(rank): _state_bytes(rule, params) for rank, params in owned.items()}
+    mine = int(sharding._sharding_rank)
+    if any(v is None for v in by_rank.values()) or {k: v for k, v in by_rank[mine].items() if v} != \
+            {k: v for k, v in measured.items() if v}:
+        return None
+    return {"sharding_rank": mine, "optimizer_by_rank": by_rank}
 
 
 def _topology():
