@@ -8,7 +8,12 @@ for a PaddleFormers Trainer script, the model's ``config.json`` (``--model_name_
   tensor-parallel ranks: each rank needs one whole), the vocabulary, or (sequence parallel) the
   sequence;
 - pipeline stages (x virtual stages) do not divide the layers, or leave a stage without a layer;
-- fewer microbatches (gradient accumulation steps) than pipeline stages, which 1F1B needs.
+- fewer microbatches (gradient accumulation steps) than pipeline stages, which 1F1B needs; with a
+  virtual pipeline, fewer than twice the stages or fewer than 3 stages, which Paddle's interleaved
+  schedule refuses (an assertion in the middle of the first step otherwise).
+
+A Trainer's virtual pipeline degree is its model's ``virtual_pipeline_model_parallel_size``
+(``config.json``: PaddleFormers 1.2's TrainingArguments has no flag for it).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import os
 
 from ..common.script_kind import flag_value
 
-__all__ = ["ConfigError", "degrees_of", "check", "microbatches_of", "with_microbatches"]
+__all__ = ["ConfigError", "degrees_of", "check", "microbatches_of", "with_microbatches", "with_one_chunk"]
 
 TRAINER_MICROBATCHES = "--gradient_accumulation_steps"
 
@@ -35,7 +40,7 @@ class ConfigError:
         return f"{self.field}: {self.message}"
 
 
-# PaddleFormers 1.2's TrainingArguments has no virtual-pipeline flag: vp stays 1 for a Trainer.
+TRAINER_VP = "virtual_pipeline_model_parallel_size"  # a model configuration's field (no TrainingArguments flag)
 TRAINER_FLAGS = {"mp": "--tensor_model_parallel_size", "pp": "--pipeline_model_parallel_size",
                  "sharding": "--sharding_parallel_size", "sep": "--sep_parallel_size"}
 
@@ -54,6 +59,7 @@ def degrees_of(kind: str, args: list, flags: dict | None, world_size: int) -> di
     if kind == "trainer":
         for key, flag in TRAINER_FLAGS.items():
             degrees[key] = int(flag_value(args, flag, 1))
+        degrees["vp"] = int((trainer_config(args) or {}).get(TRAINER_VP, 1) or 1)
         others = degrees["mp"] * degrees["pp"] * degrees["sharding"] * degrees["sep"]
         degrees["dp"] = world_size // others if others and world_size % others == 0 else 0
         return degrees
@@ -86,6 +92,35 @@ def with_microbatches(kind: str, args: list, flags: dict | None, n: int) -> list
     return [*args, flag, str(n)]  # the last value given wins
 
 
+def trainer_config(args: list) -> dict | None:
+    """The model's ``config.json`` a Trainer script is given (``--model_name_or_path``), or None."""
+    path = flag_value(args, "--model_name_or_path")
+    config_file = os.path.join(path, "config.json") if path else None
+    if not config_file or not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def with_one_chunk(kind: str, args: list, flags: dict | None, work: str) -> list:
+    """The script's arguments with a virtual pipeline of 1 and the same layers per stage (``--measure-microbatches``
+    with a virtual pipeline: Paddle's interleaved schedule needs at least twice the stages in microbatches).  A
+    Trainer's model directory is mirrored into ``work`` (links to its files) with its configuration's degree 1."""
+    if kind == "flags":
+        return [*args, (flags or {}).get("vp", "--vp"), "1"]
+    path = flag_value(args, "--model_name_or_path")
+    mirror = os.path.join(work, "model-one-chunk")
+    os.makedirs(mirror, exist_ok=True)
+    for name in os.listdir(path):
+        target = os.path.join(mirror, name)
+        if name != "config.json" and not os.path.lexists(target):
+            os.symlink(os.path.abspath(os.path.join(path, name)), target)
+    config = dict(trainer_config(args), **{TRAINER_VP: 1})
+    with open(os.path.join(mirror, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return [*args, "--model_name_or_path", mirror]  # the last value given wins
+
+
 def _divides(errors, field, n, by, what, fix):
     if by > 1 and n % by:
         errors.append(ConfigError(field, f"{field} = {n} does not divide by {what} {by}: {fix}"))
@@ -110,17 +145,33 @@ def check(kind: str, args: list, flags: dict | None, world_size: int, nnodes: in
             f"{degrees['sep']}) make {product}: change the world or the degrees so they agree"))
     if kind == "trainer":
         errors += _trainer_model(args, degrees)
+    errors += _interleaved(degrees, microbatches_of(kind, args, flags), kind)
     return degrees, errors
+
+
+def _interleaved(degrees: dict, microbatches: int | None, kind: str) -> list:
+    """Paddle's interleaved schedule (a virtual pipeline) asserts at least 3 stages and twice the stages in
+    microbatches."""
+    pp, vp = degrees["pp"], degrees["vp"]
+    if vp <= 1:
+        return []
+    field = TRAINER_VP if kind == "trainer" else "virtual pipeline"
+    if pp < 3:
+        return [ConfigError(field, f"{vp} virtual stages over {pp} pipeline stages: Paddle's interleaved schedule needs "
+                                   "3 stages or more; more stages, or no virtual pipeline")]
+    if microbatches is not None and microbatches < 2 * pp:
+        flag = TRAINER_MICROBATCHES if kind == "trainer" else "the microbatches flag"
+        return [ConfigError("microbatches", f"{microbatches} microbatches a step with a virtual pipeline over {pp} "
+                                            f"stages: Paddle's interleaved schedule needs at least 2 x {pp} = {2 * pp}; "
+                                            f"give {flag} {2 * pp} or more")]
+    return []
 
 
 def _trainer_model(args: list, degrees: dict) -> list:
     errors = []
-    path = flag_value(args, "--model_name_or_path")
-    config_file = os.path.join(path, "config.json") if path else None
-    if not config_file or not os.path.isfile(config_file):
+    config = trainer_config(args)
+    if config is None:
         return errors
-    with open(config_file) as f:
-        config = json.load(f)
     tp, pp, vp = degrees["mp"], degrees["pp"], degrees["vp"]
     heads = int(config.get("num_attention_heads", 0) or 0)
     kv_heads = int(config.get("num_key_value_heads", heads) or heads)

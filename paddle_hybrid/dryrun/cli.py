@@ -79,9 +79,11 @@ def main(argv=None) -> int:
         if schedule_microbatches is None:
             raise SystemExit("--measure-microbatches composes with the script's own microbatches a step: give them on "
                              "its command line (gpt_pp.py: --accumulate-steps N)")
+    one_chunk = args.measure_microbatches is not None and degrees["vp"] > 1
     base = {"world": world_size, "nnodes": args.nnodes, "nproc_per_node": args.nproc_per_node, "degrees": degrees,
             "schedule_microbatches": schedule_microbatches, "measured_microbatches": args.measure_microbatches,
-            "errors": [e.as_json() for e in errors], "rank_classes": [], "notes": _notes()}
+            "schedule_virtual_stages": degrees["vp"], "measured_virtual_stages": 1 if one_chunk else degrees["vp"],
+            "errors": [e.as_json() for e in errors], "rank_classes": [], "notes": _notes(one_chunk)}
     if errors:
         for e in errors:
             print(f"configuration error: {e.field}: {e.message}", flush=True)
@@ -90,6 +92,8 @@ def main(argv=None) -> int:
 
     work = args.work or tempfile.mkdtemp(prefix="paddle_hybrid_dryrun_")
     os.makedirs(work, exist_ok=True)
+    if one_chunk:  # the interleaved schedule cannot run one microbatch: measure the stage's layers as one chunk
+        run_args = checks.with_one_chunk(kind, run_args, flags, work)
     try:
         return _run_all(args, script, run_args, world_size, chosen, work, base, started)
     finally:
@@ -115,45 +119,65 @@ def _failed(run, label, rank_class=None) -> bool:
     return True
 
 
+# The fake world's words when a rank receives, before any step could go on, what a later stage sends it (an
+# interleaved pipeline's first stage takes its second chunk's input from the last stage): run it again after.
+WAITS_ON_A_LATER_STAGE = "whose run was not recorded before this one"
+
+
+def _waits_on_a_later_stage(run) -> bool:
+    return run.returncode != 0 and not run.timed_out and WAITS_ON_A_LATER_STAGE in run.tail and run.probe is not None
+
+
 def _run_all(args, script, run_args, world_size, chosen, work, base, started) -> int:
     # 2. rank 0, then the classes
     first = _run_rank(args, script, run_args, 0, world_size, work, "rank 0 (finds the topology)")
-    if _failed(first, "rank 0"):
+    if not _waits_on_a_later_stage(first) and _failed(first, "rank 0"):
         _finish(args, base, started)
         return EXIT_FAILED
     topology = first.probe.get("topology")
     if topology:  # fleet's own names and degrees, as it took them
-        base["degrees"] = dict(topology["degrees"], virtual_pipeline=int(first.probe.get("virtual_stages", 1)))
+        base["degrees"] = dict(topology["degrees"], virtual_pipeline=int(base["schedule_virtual_stages"]
+                                                                         if base["measured_virtual_stages"] == 1
+                                                                         else first.probe.get("virtual_stages", 1)))
     rank_classes = classes.classes_of(topology, world_size)
     stages = int(topology["degrees"].get("pipe", 1)) if topology else 1
-
-    # 3. one rank per class, in stage order
-    plan = _plan(rank_classes, chosen)
-    runs = {0: first}
-    entries = []
-    measured = {}  # pipeline stage -> (its sharding rank 0's entry, that run's sharding partition)
     coords = classes.coordinates(topology["names"], topology["degrees"]) if topology else None
+
+    # 3. one rank per class, in stage order; a rank that waited on a later stage once more at the end
+    plan = _plan(rank_classes, chosen)
+    runs, derived = {0: first}, {}
     for rank_class, rank in plan:
         label = f"class {rank_class.label}"
-        source = measured.get(rank_class.key.get("pipe")) if chosen == "auto" else None
-        if source is not None and rank_class.key.get("sharding", 0) != 0:
-            # the sharding ranks of a stage differ only by the optimizer state of the parameters each updates
-            entries.append(report.derived_entry(rank_class, source[0], source[1], coords))
-            _say(f"[paddle_hybrid.dryrun] {label}: derived from rank {source[0]['representative']}'s run and its "
-                 "sharding partition")
+        source = _partition_source(rank_class, rank_classes, runs) if chosen == "auto" else None
+        if source is not None:
+            derived[rank] = source
+            _say(f"[paddle_hybrid.dryrun] {label}: derived from rank {source[0]}'s run and its sharding partition")
             continue
         run = runs.get(rank) or _run_rank(args, script, run_args, rank, world_size, work, label)
         runs[rank] = run
-        if _failed(run, label, rank_class):
+        if not _waits_on_a_later_stage(run) and _failed(run, label, rank_class):
             _finish(args, base, started)
             return EXIT_FAILED
-        covered = rank_class if chosen == "auto" else classes.RankClass(rank_class.key, [rank], rank)
-        entries.append(report.class_entry(covered, run, stages, base["schedule_microbatches"]))
-        partition = (run.probe or {}).get("sharding_partition")
-        if partition is not None and rank_class.key.get("sharding", 0) == 0:
-            measured[rank_class.key.get("pipe")] = (entries[-1], partition)
+    for rank_class, rank in plan:
+        if rank in runs and _waits_on_a_later_stage(runs[rank]):
+            label = f"class {rank_class.label}"
+            runs[rank] = _run_rank(args, script, run_args, rank, world_size, work, label + " (again: the later "
+                                   "stages it receives from have run)")
+            if _failed(runs[rank], label, rank_class):
+                _finish(args, base, started)
+                return EXIT_FAILED
 
     # 4. the report
+    entries, by_rank = [], {}
+    for rank_class, rank in plan:
+        if rank in derived:
+            source_rank, partition = derived[rank]
+            entries.append(report.derived_entry(rank_class, by_rank[source_rank], partition, coords))
+            continue
+        covered = rank_class if chosen == "auto" else classes.RankClass(rank_class.key, [rank], rank)
+        entries.append(report.class_entry(covered, runs[rank], stages, base["schedule_microbatches"],
+                                          base["schedule_virtual_stages"]))
+        by_rank[rank] = entries[-1]
     base["rank_classes"] = entries
     if chosen != "auto":
         run_ranks = {r for _, r in plan}
@@ -161,6 +185,19 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
     print(report.table(entries), flush=True)
     _finish(args, base, started)
     return EXIT_OK
+
+
+def _partition_source(rank_class, rank_classes, runs):
+    """(rank, sharding partition) of the run a sharding rank's class is derived from: its stage's sharding rank 0,
+    run and finished, whose probe recorded the partition; None: run this class itself."""
+    if rank_class.key.get("sharding", 0) == 0:
+        return None
+    stage = rank_class.key.get("pipe")
+    first = next((c for c in rank_classes if c.key.get("pipe") == stage and c.key.get("sharding", 0) == 0), None)
+    run = runs.get(first.representative) if first is not None else None
+    if run is None or run.returncode != 0 or not (run.probe or {}).get("sharding_partition"):
+        return None
+    return first.representative, run.probe["sharding_partition"]
 
 
 def _plan(rank_classes, chosen):
@@ -172,8 +209,13 @@ def _plan(rank_classes, chosen):
     return sorted(((owner[r], r) for r in wanted), key=lambda cr: (rank_classes.index(cr[0]), cr[1]))
 
 
-def _notes() -> list:
-    return [
+def _notes(one_chunk: bool) -> list:
+    measured_as_one_chunk = [
+        "virtual pipeline measured as one chunk a stage (--measure-microbatches: Paddle's interleaved schedule "
+        "needs twice the stages in microbatches): the same layers a stage, so parameters, gradients, optimizer state "
+        "and a microbatch's activations are the interleaved run's; in flight composed for the virtual stages; the "
+        "pipeline's sends and receives are one chunk's (the interleaved schedule makes one pair a chunk boundary)"]
+    return measured_as_one_chunk * one_chunk + [
         "values are the fake world's (paddle_hybrid.gloo.fake_world): shapes and dtypes are the real ones; an "
         "all_reduce leaves this rank's tensor, a receive from a rank recorded earlier gets what it sent",
         "measured: parameters, gradients, optimizer state, activations saved for backward and the allocator's peak "

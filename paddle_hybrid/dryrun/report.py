@@ -5,9 +5,10 @@ JSON: ``{"world", "nnodes", "nproc_per_node", "degrees", "errors": [{"field", "m
 "rank_classes": [{"class", "ranks", "representative", "parameters_bytes", "gradients_bytes",
 "optimizer_bytes", "activations_bytes", "activations_bytes_per_microbatch", "microbatches",
 "in_flight_microbatches", "peak_bytes", "peak_window", "composed_peak_bytes", "communication": [{"op",
-"group", "calls", "bytes"}], "wall_s", "max_rss_bytes", "derived_from"}], "wall_s", "notes": [...]}``; bytes
+"group", "calls", "bytes"}], "wall_s", "max_rss_bytes", "derived_from", "routing"}], "wall_s", "notes": [...]}``; bytes
 are integers; every rank of the world is in exactly one class.  ``derived_from`` is null for a class
 whose representative ran, else the rank whose run it was derived from (:func:`derived_entry`).
+``routing`` is the probe's (how the class's MoE gates routed: forced-balanced), null where no gate routed.
 
 Measured: parameters, gradients, optimizer state (bytes of this rank's tensors), activations saved
 for backward in step 2 (per microbatch: divided by its backward calls), the allocator's peak in step
@@ -36,7 +37,8 @@ def in_flight(stage: int, stages: int, chunks: int, microbatches: int) -> float:
         return 1.0 if microbatches else 0.0
     if chunks <= 1:
         return float(min(stages - stage, microbatches))
-    forwards = min((stages - stage - 1) * 2 + (chunks - 1) * stages + 1, microbatches * chunks)
+    first_chunk = microbatches % stages + stages  # microbatches the schedule runs through the first chunk first
+    forwards = min((stages - stage - 1) * 2 + (chunks - 1) * first_chunk + 1, microbatches * chunks)
     return forwards / chunks
 
 
@@ -53,14 +55,18 @@ def _communication(probe) -> list:
             for (op, group), (calls, nbytes) in sorted(summary.items(), key=lambda kv: (kv[0][0], kv[0][1] or ()))]
 
 
-def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None = None) -> dict:
-    """``schedule_microbatches``: the script's own microbatches a step, where the run took fewer
-    (``--measure-microbatches``); the schedule's in-flight count is composed with it."""
+def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None = None,
+                schedule_chunks: int | None = None) -> dict:
+    """``schedule_microbatches``, ``schedule_chunks``: the script's own microbatches a step and virtual
+    stages, where the run took fewer (``--measure-microbatches``); the schedule's in-flight count is
+    composed with them."""
     probe = run.probe or {}
     topology = probe.get("topology") or {}
     stage = int(topology.get("stage", 0)) if topology else 0
-    chunks = int(probe.get("virtual_stages", 1) or 1)
-    microbatches = int(probe.get("microbatches", 0) or 0)
+    run_chunks = int(probe.get("virtual_stages", 1) or 1)
+    chunks = schedule_chunks or run_chunks
+    # the probe counts backward calls: the interleaved schedule makes one a chunk of a microbatch
+    microbatches = int(probe.get("microbatches", 0) or 0) // run_chunks
     activations = int(probe.get("activations_bytes_per_step", 0) or 0)
     per_microbatch = activations // microbatches if microbatches else activations
     flight = in_flight(stage, stages, chunks, schedule_microbatches or microbatches)
@@ -76,6 +82,7 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         "composed_peak_bytes": int(params + grads + optim + per_microbatch * flight),
         "communication": _communication(probe), "wall_s": round(run.wall_s, 2), "max_rss_bytes": run.max_rss_bytes,
         "derived_from": None,
+        "routing": probe.get("routing"),  # the MoE gates' (forced-balanced in a dry run); None: no gate routed
     }
 
 
@@ -123,7 +130,14 @@ def table(entries: list) -> str:
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + ("\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch; "
-                               "from rN: derived from rank N's run, see the notes)")
+                               "from rN: derived from rank N's run, see the notes)") + _routing_lines(entries)
+
+
+def _routing_lines(entries: list) -> str:
+    """Which classes' MoE gates routed, and how (a dry run forces them balanced)."""
+    return "".join(f"\nMoE routing {e['routing']['mode']} in class {e['class']}: tokens this rank sent each expert "
+                   f"(top-{e['routing']['top_k']}, last gate call) {e['routing']['tokens_per_expert']}"
+                   for e in entries if e.get("routing"))
 
 
 def write_json(path: str, report: dict) -> None:

@@ -1,0 +1,91 @@
+"""A virtual pipeline in the dry run: ``examples/gpt_pp.py`` at pp4 x vp2 (4 ranks, 8 layers: one a chunk).
+
+- The interleaved schedule's first stage takes its second chunk's input from the last stage, whose run
+  comes after it: the dry run runs it again once the later stages have run, and the whole schedule goes
+  through (seen failing first: exit 2, "rank 0 receives an integer tensor [1] from rank 3, whose run was
+  not recorded before this one").
+- A microbatch's activations are a whole microbatch's, not a chunk's: the probe counts a backward call
+  a chunk (seen failing first: 165120 bytes a microbatch on stage 0 where the stage's layers save 330240).
+- ``--measure-microbatches 1`` measures the stage's layers as one chunk (the interleaved schedule cannot run
+  one microbatch) and composes the in-flight count for two: every figure a whole run gives (parameters,
+  gradients, optimizer state, activations a microbatch, in flight, the composed peak) equals it.
+- Paddle's interleaved schedule's own limits are configuration errors before any rank runs: fewer than 3
+  stages, fewer than twice the stages in microbatches.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPT = os.path.join(ROOT, "examples", "gpt_pp.py")
+ARGS = ["--pp", "4", "--vp", "2", "--steps", "2", "--layers", "8", "--hidden", "32", "--heads", "4", "--seq-len", "32",
+        "--micro-batch-size", "2", "--accumulate-steps", "8", "--corpus-chars", "20000"]
+SAME = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes_per_microbatch",
+        "in_flight_microbatches", "composed_peak_bytes")
+
+
+def _dryrun(tmp_path, name, *extra, args=ARGS):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="2")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    report = str(tmp_path / f"{name}.json")
+    proc = subprocess.run([sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "1", "--nproc_per_node", "4",
+                           "--work", str(tmp_path / name), "--json", report, *extra, GPT, *args, "--out-dir",
+                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=900)
+    result = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+    if os.path.isfile(report):
+        with open(report) as f:
+            result["report"] = json.load(f)
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("dryrun_vp")
+    return {"whole": _dryrun(work, "whole"), "one": _dryrun(work, "one", "--measure-microbatches", "1")}
+
+
+def test_the_interleaved_schedule_runs_through(runs):
+    whole = runs["whole"]
+    assert whole["returncode"] == 0, whole["stdout"][-3000:] + whole["stderr"][-3000:]
+    assert "again: the later stages it receives from have run" in whole["stderr"]
+    assert whole["report"]["degrees"]["virtual_pipeline"] == 2
+    assert [c["microbatches"] for c in whole["report"]["rank_classes"]] == [8] * 4
+
+
+def test_one_chunk_measured_equals_the_whole_schedule(runs):
+    whole, one = runs["whole"]["report"], runs["one"]
+    assert one["returncode"] == 0, one["stdout"][-3000:] + one["stderr"][-3000:]
+    one = one["report"]
+    assert one["measured_virtual_stages"] == 1 and one["degrees"]["virtual_pipeline"] == 2
+    assert any("virtual pipeline measured as one chunk" in note for note in one["notes"])
+    for a, b in zip(whole["rank_classes"], one["rank_classes"]):
+        assert a["class"] == b["class"]
+        for key in SAME:
+            assert a[key] == b[key], (a["class"], key, a[key], b[key])
+    # stage 0 of 4 with 2 chunks and 8 microbatches: (4-0-1)*2 + (2-1)*(8 % 4 + 4) + 1 = 11 chunk forwards
+    assert one["rank_classes"][0]["in_flight_microbatches"] == 5.5
+
+
+@pytest.mark.parametrize("change, field, words", [
+    (["--pp", "2", "--layers", "4"], "virtual pipeline", "needs 3 stages or more"),
+    (["--accumulate-steps", "6"], "microbatches", "at least 2 x 4 = 8"),
+])
+def test_the_interleaved_schedule_s_limits_are_named_before_any_run(tmp_path, change, field, words):
+    args = list(ARGS)
+    for flag, value in zip(change[::2], change[1::2]):
+        args[args.index(flag) + 1] = value
+    nprocs = int(args[args.index("--pp") + 1])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    report = str(tmp_path / "r.json")
+    proc = subprocess.run([sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "1", "--nproc_per_node",
+                           str(nprocs), "--json", report, GPT, *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    with open(report) as f:
+        errors = json.load(f)["errors"]
+    assert [e["field"] for e in errors] == [field] and words in errors[0]["message"], errors
+    assert not os.path.exists(tmp_path / "probes")
