@@ -223,6 +223,12 @@ class PluginConfig:
     to compare with): the directory this rank writes what it holds and moves into
     (:mod:`paddle_hybrid.dygraph.dryrun_probe`) (``PADDLE_HYBRID_DRYRUN_PROBE``)."""
 
+    balanced_routing: bool = setting(False, "switch")
+    """Set by ``python -m paddle_hybrid.dryrun`` for every rank it runs (and by its tests for a real run
+    to compare with): the MoE gates route tokens round-robin, every expert the same count within one,
+    so a step has the memory and communication of a balanced one
+    (:mod:`paddle_hybrid.dygraph.balanced_routing`) (``PADDLE_HYBRID_BALANCED_ROUTING``)."""
+
     force_unverified: tuple = setting((), "names", env="PADDLE_HYBRID_FORCE")
     """Components to install even on a Paddle version they were not verified on: names as
     ``paddle_hybrid.report()`` prints them (``"cpu"``, ``"cuda_graph"``), or ``"all"``

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..cpu_blas import COMPONENT as cpu_blas
 from ..dygraph.agreement import COMPONENT as agreement
+from ..dygraph.balanced_routing import COMPONENT as balanced_routing
 from ..dygraph.cpu import COMPONENT as cpu
 from ..dygraph.cuda_graph import COMPONENT as cuda_graph
 from ..dygraph.cuda_malloc_async import COMPONENT as cuda_malloc_async
@@ -35,6 +36,7 @@ COMPONENTS = [
     reshard,
     cpu,
     expert_parallel,
+    balanced_routing,  # the dry run's MoE gates (off unless it sets balanced_routing)
     fleet_fixes,
     paddleformers_fixes,
     static_pipeline,

@@ -18,8 +18,9 @@ Values (the shapes are always the real ones; the values are the fake world's):
 
 - ``all_reduce`` / ``reduce``: this rank's tensor unchanged (as if every rank held the same and a
   sum were averaged back); ``all_gather``: this rank's tensor in every slot; ``reduce_scatter``:
-  this rank's slot of its input; ``all_to_all``: this rank's input, slot for slot (the output keeps
-  its size: the caller allocated it);
+  this rank's slot of its input; ``all_to_all``: this rank's own part of its input in every part, as
+  if every peer held what this rank holds (so an MoE count exchange of ranks that route alike returns
+  what the real one does; the output keeps its size: the caller allocated it);
 
 The log's bytes are those of the call's first tensor argument (Paddle's argument order: the output
 first for ``*_into_tensor``, ``reduce_scatter`` and ``all_to_all``), as the probe logs a real run's;
@@ -170,16 +171,20 @@ class FakeProcessGroup:
 
     def all_to_all(self, out, tensor, *args, **kwargs):
         self._record("all_to_all", out)
-        _copy_prefix(out, tensor)
+        _own_part_everywhere(out, tensor, self._rank, self._size)
         return DoneTask()
 
     all_to_all_tensor = all_to_all
     all_to_all_on_calc_stream = all_to_all
-    all_to_all_single = all_to_all
+
+    def all_to_all_single(self, out, tensor, out_sizes=None, in_sizes=None, *args, **kwargs):
+        self._record("all_to_all", out)
+        _own_part_everywhere(out, tensor, self._rank, self._size, in_sizes)
+        return DoneTask()
 
     def alltoall(self, tensor, out, *args, **kwargs):  # (input, output), as Paddle's
         self._record("all_to_all", tensor)
-        _copy_prefix(out, tensor)
+        _own_part_everywhere(out, tensor, self._rank, self._size)
         return DoneTask()
 
     alltoall_single = alltoall
@@ -229,6 +234,23 @@ def _own_slot(out, tensor, rank: int, n: int) -> None:
         raise FakeWorldError(f"reduce_scatter: output of {size} elements for an input of {int(tensor._numel())}")
     with paddle.no_grad():
         paddle.assign(tensor.reshape([-1])[rank * size:(rank + 1) * size].reshape(out.shape), output=out)
+
+
+def _own_part_everywhere(out, tensor, rank: int, n: int, in_sizes=None) -> None:
+    """Part ``rank`` of ``tensor`` (dim-0 parts of ``in_sizes`` rows, or ``n`` equal parts) in every part
+    of ``out``; an output that is not a whole number of such parts (sizes no alike peers would send)
+    gets the input's first elements."""
+    import paddle
+
+    rows = int(tensor.shape[0]) if tensor.shape else 0
+    sizes = [int(s) for s in in_sizes] if in_sizes else [rows // n] * n
+    part = tensor[sum(sizes[:rank]):sum(sizes[:rank + 1])].reshape([-1]) if len(sizes) == n else None
+    if part is None or sum(sizes) != rows or int(part._numel()) == 0 or int(out._numel()) % int(part._numel()):
+        _copy_prefix(out, tensor)
+        return
+    with paddle.no_grad():
+        copies = int(out._numel()) // int(part._numel())
+        paddle.assign(paddle.concat([part] * copies).reshape(out.shape).astype(out.dtype), output=out)
 
 
 def _copy_prefix(out, tensor) -> None:

@@ -33,6 +33,7 @@ each named here:
    executor's copy of a CPU PIR program gets a comm context per collective and gloo sends/receives:
    ``tests/static/auto_parallel_cpu/test_to_static.py``) (:data:`AUTO_PARALLEL_PATCHES`).
 7. the component ``dryrun_probe`` (issue 45), off unless its setting is given (:data:`ADDED_COMPONENTS`).
+9. the component ``balanced_routing`` (issue 45), off unless its setting is given (:data:`ADDED_COMPONENTS`).
 6. ``fleet_fixes`` (issue 47) replaces ``Tensor.numpy``: a DistTensor whose value was freed is an
    error, not a zero-size array (``tests/dygraph/fleet_fixes/test_empty_dist_read.py``).
 
@@ -76,7 +77,9 @@ ADDED_PATCHES = {  # change 3: component -> (owner, attribute) it replaces since
 }
 ADDED_COMPONENTS = {"replica_check": "off: off (check_replicas=0)", "verify_record": "off: off (verify_dir not set)",
                     # change 8 (issue 45): the dry run's probe, off unless python -m paddle_hybrid.dryrun sets it
-                    "dryrun_probe": "off: off (dryrun_probe not set)"}
+                    "dryrun_probe": "off: off (dryrun_probe not set)",
+                    # change 9 (issue 45): the dry run's forced-balanced MoE routing, off unless it sets it
+                    "balanced_routing": "off: switched off (balanced_routing=False)"}
 
 
 SHARDING_FUSED_PATCHES = {  # change 4
