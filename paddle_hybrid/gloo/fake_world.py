@@ -17,10 +17,17 @@ What it replaces, when ``PluginConfig.fake_world`` names a world file (the dry r
 Values (the shapes are always the real ones; the values are the fake world's):
 
 - ``all_reduce`` / ``reduce``: this rank's tensor unchanged (as if every rank held the same and a
-  sum were averaged back); ``all_gather``: this rank's tensor in every slot; ``reduce_scatter``:
-  this rank's slot of its input; ``all_to_all``: this rank's own part of its input in every part, as
-  if every peer held what this rank holds (so an MoE count exchange of ranks that route alike returns
-  what the real one does; the output keeps its size: the caller allocated it);
+  sum were averaged back); ``all_gather`` (and ``gather`` at its destination): this rank's tensor in
+  every slot; ``all_gather_partial``: this rank's part in every part; ``reduce_scatter``: this rank's
+  slot of its input; ``all_to_all``: this rank's own part of its input in every part, as if every peer
+  held what this rank holds (so an MoE count exchange of ranks that route alike returns what the real
+  one does; the output keeps its size: the caller allocated it); ``scatter``: from this rank, its own
+  slot, from another, as a broadcast;
+
+The group answers every method of gloo's process group, under each of its names (``allreduce``
+beside ``all_reduce``, the ``*_on_calc_stream`` forms): a call it lacked would raise inside
+whatever called it, and Paddle drops an exception raised in a gradient hook it calls from C++ (fleet's
+sequence-parallel hooks call ``allreduce``), so it surfaced later as another op's failure.
 
 The log's bytes are those of the call's first tensor argument (Paddle's argument order: the output
 first for ``*_into_tensor``, ``reduce_scatter`` and ``all_to_all``), as the probe logs a real run's;
@@ -115,6 +122,8 @@ class FakeProcessGroup:
         return DoneTask()
 
     all_reduce_on_calc_stream = all_reduce
+    # gloo's older name (no sync_op), which fleet's sequence-parallel gradient hooks call
+    allreduce = all_reduce
 
     def reduce(self, tensor, dst, op=None, sync_op=True, *args, **kwargs):
         self._record("reduce", tensor)
@@ -148,10 +157,8 @@ class FakeProcessGroup:
         return self.all_gather_into_tensor(first, second)
 
     def _gather_list(self, out_list, tensor):
-        """Paddle's C++ fills the caller's (empty) list with one tensor per rank."""
         self._record("all_gather", tensor)
-        del out_list[:]
-        out_list.extend(tensor.clone() for _ in range(self._size))
+        _fill_list(out_list, tensor, self._size)
         return DoneTask()
 
     def all_gather_into_tensor(self, out, tensor, *args, **kwargs):
@@ -168,6 +175,7 @@ class FakeProcessGroup:
 
     reduce_scatter_tensor = reduce_scatter
     reduce_scatter_tensor_on_calc_stream = reduce_scatter
+    reduce_scatter_on_calc_stream = reduce_scatter
 
     def all_to_all(self, out, tensor, *args, **kwargs):
         self._record("all_to_all", out)
@@ -176,11 +184,14 @@ class FakeProcessGroup:
 
     all_to_all_tensor = all_to_all
     all_to_all_on_calc_stream = all_to_all
+    all_to_all_tensor_on_calc_stream = all_to_all
 
     def all_to_all_single(self, out, tensor, out_sizes=None, in_sizes=None, *args, **kwargs):
         self._record("all_to_all", out)
         _own_part_everywhere(out, tensor, self._rank, self._size, in_sizes)
         return DoneTask()
+
+    all_to_all_single_on_calc_stream = all_to_all_single
 
     def alltoall(self, tensor, out, *args, **kwargs):  # (input, output), as Paddle's
         self._record("all_to_all", tensor)
@@ -188,6 +199,38 @@ class FakeProcessGroup:
         return DoneTask()
 
     alltoall_single = alltoall
+
+    def all_gather_partial(self, out, tensor, num, part, *args, **kwargs):
+        """Fleet's pipeline gathers ``out`` (split in ``num`` parts) from each rank's part: part ``part``
+        of this rank's ``tensor`` in every part."""
+        self._record("all_gather", out)
+        _tile_part(out, tensor, num, part)
+        return DoneTask()
+
+    all_gather_partial_on_calc_stream = all_gather_partial
+
+    def gather(self, tensor, out_list, dst, *args, **kwargs):  # (input, output list), as Paddle's
+        self._record("gather", tensor)
+        if dst == self._rank:
+            _fill_list(out_list, tensor, self._size)
+        return DoneTask()
+
+    def scatter(self, out, tensors, src, *args, **kwargs):  # (output, input list or tensor), as Paddle's
+        self._record("scatter", out)
+        if src == self._rank:
+            _own_slot(out, _joined(tensors), self._rank, self._size)
+        else:
+            _fill_from(out, self._global(src), _world()["rank"], "scatter")
+        return DoneTask()
+
+    scatter_on_calc_stream = scatter
+    scatter_tensor = scatter
+    scatter_tensor_on_calc_stream = scatter
+
+    def eager_connect(self, *args, **kwargs):
+        """Nothing to connect: no peer."""
+
+    eager_connect_ring_exchange = eager_connect
 
     # -- point to point
     def send(self, tensor, dst, sync_op=True, *args, **kwargs):
@@ -198,6 +241,7 @@ class FakeProcessGroup:
 
     send_on_calc_stream = send
     send_partial = send
+    send_partial_on_calc_stream = send
 
     def recv(self, tensor, src, sync_op=True, *args, **kwargs):
         peer = self._global(src)
@@ -207,6 +251,7 @@ class FakeProcessGroup:
 
     recv_on_calc_stream = recv
     recv_partial = recv
+    recv_partial_on_calc_stream = recv
 
     def __getattr__(self, name):
         raise FakeWorldError(
@@ -224,6 +269,30 @@ def _tile(out, tensor, n: int) -> None:
         raise FakeWorldError(f"all_gather: output of {int(out._numel())} elements for {n} x {int(tensor._numel())}")
     with paddle.no_grad():
         paddle.assign(paddle.concat([tensor.reshape([-1])] * n).reshape(out.shape).astype(out.dtype), output=out)
+
+
+def _fill_list(out_list, tensor, n: int) -> None:
+    """Paddle's C++ fills the caller's list (empty, or one tensor per rank) with one tensor per rank."""
+    del out_list[:]
+    out_list.extend(tensor.clone() for _ in range(n))
+
+
+def _joined(tensors):
+    import paddle
+
+    return paddle.concat([t.reshape([-1]) for t in tensors]) if isinstance(tensors, (list, tuple)) else tensors
+
+
+def _tile_part(out, tensor, num: int, part: int) -> None:
+    import paddle
+
+    size = int(out._numel()) // num
+    if size * num != int(out._numel()) or int(tensor._numel()) != int(out._numel()):
+        raise FakeWorldError(f"all_gather_partial: {int(out._numel())} elements in {num} parts, an input of "
+                             f"{int(tensor._numel())}")
+    with paddle.no_grad():
+        piece = tensor.reshape([-1])[part * size:(part + 1) * size]
+        paddle.assign(paddle.concat([piece] * num).reshape(out.shape).astype(out.dtype), output=out)
 
 
 def _own_slot(out, tensor, rank: int, n: int) -> None:

@@ -32,7 +32,8 @@ elements times its element size):
   communicate group;
 - **communication**: every call on the rank's process groups (operation, the group's global ranks,
   bytes of this rank's tensor, in order): the fake world's own log, or in a real run the gloo
-  process group's methods, wrapped.
+  process group's methods, wrapped, and the plugin's reduce_scatter on gloo (a C++ kernel that calls
+  none of them), each call as the one operation the fake world logs for it.
 
 Written at the process's exit to ``<directory>/probe.<rank>.json``.
 """
@@ -56,6 +57,7 @@ __all__ = ["COMPONENT", "apply", "LOGGED_METHODS"]
 # Methods of a process group whose calls are the communication log, by the operation the log names (the
 # fake world answers the same methods and logs the same names; bytes: the call's first tensor argument).
 _OP = {"all_reduce": "all_reduce", "all_reduce_on_calc_stream": "all_reduce", "reduce": "reduce",
+       "reduce_on_calc_stream": "reduce",
        "broadcast": "broadcast", "broadcast_on_calc_stream": "broadcast", "barrier": "barrier",
        "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
        "all_gather_into_tensor_on_calc_stream": "all_gather", "all_gather_on_calc_stream": "all_gather",
@@ -96,6 +98,7 @@ class _Probe:
         self.window_open = False
         self.comm = []
         self.groups = {}  # id(process group) -> its global ranks (a real run)
+        self.inside_logged_call = 0  # a logged collective made of others: only it is logged
 
     # -- the first and second optimizer updates
     def before_update(self, optimizer, params_grads) -> None:
@@ -366,6 +369,8 @@ def _count_recompute_inputs(patcher, probe) -> None:
 def _make_logged(stock, op, probe):
     @functools.wraps(stock)
     def method(self, *args, **kwargs):
+        if probe.inside_logged_call:
+            return stock(self, *args, **kwargs)
         tensor = next((a for a in args if hasattr(a, "_numel")), None)
         entry = {"op": op, "group": None, "bytes": nbytes(tensor) if tensor is not None else 0, "_pg": id(self)}
         if op in ("send", "recv"):  # the peer's place in the group follows the tensor
@@ -374,6 +379,25 @@ def _make_logged(stock, op, probe):
         return stock(self, *args, **kwargs)
 
     return method
+
+
+def _make_logged_reduce_scatter(stock, probe):
+    """The plugin's reduce_scatter on gloo runs its C++ kernel (or an ``all_reduce`` and a slice), no
+    method of the process group: logged here as the one reduce_scatter asked for (bytes: the output,
+    as the fake world's), what it calls inside not."""
+    @functools.wraps(stock)
+    def reduce_scatter_on_gloo(out_tensor, in_tensor, op, group, *args, **kwargs):
+        if probe.inside_logged_call:
+            return stock(out_tensor, in_tensor, op, group, *args, **kwargs)
+        probe.comm.append({"op": "reduce_scatter", "group": None, "bytes": nbytes(out_tensor),
+                           "_pg": id(group.process_group)})
+        probe.inside_logged_call += 1
+        try:
+            return stock(out_tensor, in_tensor, op, group, *args, **kwargs)
+        finally:
+            probe.inside_logged_call -= 1
+
+    return reduce_scatter_on_gloo
 
 
 def apply(config, patcher) -> str:
@@ -400,13 +424,18 @@ def apply(config, patcher) -> str:
 
 
 def _log_real_groups(patcher, probe) -> None:
-    """A real run's communication: the gloo process group's methods, wrapped (called from Python)."""
+    """A real run's communication: the gloo process group's methods (called from Python) and the
+    plugin's reduce_scatter on gloo, wrapped."""
     from paddle.base import core
 
     for name in LOGGED_METHODS:
         if hasattr(core.ProcessGroupGloo, name):
             patcher.set(core.ProcessGroupGloo, name, _make_logged(getattr(core.ProcessGroupGloo, name), _OP[name],
                                                                    probe))
+    from ...gloo import collectives
+
+    patcher.set(collectives, "reduce_scatter_on_gloo",
+                _make_logged_reduce_scatter(collectives.reduce_scatter_on_gloo, probe))
     import paddle.distributed.collective as collective
 
     original = collective._new_process_group_impl
