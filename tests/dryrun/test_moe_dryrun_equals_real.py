@@ -12,7 +12,9 @@ the class's heaviest: experts 0.. get the extra tokens).
 
 Seen failing first: the dry run stopped in ``global_scatter`` (``FakeProcessGroup has no pybind11
 conduit``: the token exchange went to gloo's C++ past the process group); the real run logged no token
-all-to-all (the same exchange, past the probe's wrapped methods).
+all-to-all (the same exchange, past the probe's wrapped methods); with the fake world's all-to-all of
+before (its input slot for slot) rank 0 received 10 token rows, not 12 (1280 bytes, not 1536), and saved
+10024 bytes of activations, not 11304.
 """
 import json
 import os
