@@ -54,10 +54,10 @@ def _with_output_dir(kind: str, args: list, directory: str) -> list:
 
 
 def run_layout(script: str, args: list, layout: Layout | None, kind: str, flags: dict | None, directory: str,
-               timeout: float, gradient_rtol: float = DEFAULT_GRAD_RTOL) -> tuple[bool, float, str]:
-    """Run ``script`` in ``layout`` (None: one process) recording into ``directory``;
-    ``(ok, seconds, log tail)``.  The one-process run also records each parameter element's
-    rounding allowance for ``gradient_rtol`` (:class:`~paddle_hybrid.dygraph.verify_record.RoundingAllowance`)."""
+               timeout: float, gradient_rtol: float = DEFAULT_GRAD_RTOL, nnodes: int = 1) -> tuple[bool, float, str]:
+    """Run ``script`` in ``layout`` (None: one process) recording into ``directory``, the layout's
+    ranks over ``nnodes`` launchers (:mod:`.nodes`); ``(ok, seconds, log tail)``.  The one-process
+    run also records each parameter element's rounding allowance for ``gradient_rtol`` (:class:`~paddle_hybrid.dygraph.verify_record.RoundingAllowance`)."""
     os.makedirs(directory, exist_ok=True)
     name = layout.name if layout else "one"
     plan = {"layout": name, "degrees": layout.degrees if layout else {}, "set_degrees": kind == "fleet",
@@ -75,14 +75,25 @@ def run_layout(script: str, args: list, layout: Layout | None, kind: str, flags:
         cmd = [sys.executable, "-m", "paddle_hybrid.launch", "--nproc_per_node", str(layout.nprocs), "--log_dir",
                os.path.join(directory, "logs"), script, *script_args]
     start = time.time()
+    if layout is not None and nnodes > 1:
+        from . import nodes
+
+        cmd = [f"{nnodes} launchers (node I: python -m paddle_hybrid.launch --nnodes {nnodes} --rank I ...)"]
+        ok, out = nodes.run(script, script_args, layout.nprocs, nnodes, directory, env, timeout)
+    else:
+        ok, out = _run(cmd, env, timeout)
+    with open(os.path.join(directory, "log.txt"), "w") as f:
+        f.write(" ".join(cmd) + "\n" + out)
+    return ok, time.time() - start, _tail(out, directory)
+
+
+def _run(cmd: list, env: dict, timeout: float) -> tuple[bool, str]:
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         ok, out = proc.returncode == 0, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         ok, out = False, f"did not finish within {timeout:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
-    with open(os.path.join(directory, "log.txt"), "w") as f:
-        f.write(" ".join(cmd) + "\n" + out)
-    return ok, time.time() - start, _tail(out, directory)
+    return ok, out
 
 
 def _tail(out: str, directory: str) -> str:

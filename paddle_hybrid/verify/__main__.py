@@ -12,6 +12,8 @@ import time
 
 from . import DEFAULT_ATOL, DEFAULT_GRAD_RTOL, DEFAULT_RTOL, EXIT_DIFFERS, EXIT_EQUAL, EXIT_FAILED, run_layout
 from . import compare as compare_mod
+from . import nodes as nodes_mod
+from . import shrink as shrink_mod
 from .layouts import KINDS, LayoutError, kind_of, layout_args, parse_layouts, script_flags
 
 
@@ -30,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
     p.add_argument("--work-dir", help="keep every run's records and logs here (default: a temporary directory)")
     p.add_argument("--json", help="also write the verdicts to this file")
+    p.add_argument("--shrink-from", metavar="CONFIG",
+                   help="a model's config.json: train a model shrunk from it that keeps, for the layouts, what each "
+                        "rank of the real one holds (a Trainer script; see docs/verify.md)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="split each layout's ranks over this many launchers on this host, as nodes (docs/verify.md)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -49,19 +56,28 @@ def main(argv=None) -> int:
         flags = script_flags(source) if kind == "flags" else None
         for layout in [None, *layouts]:  # every layout's arguments made before any run: fail fast
             layout_args(kind, opts.args, layout, flags)
+        nodes_mod.check(layouts, opts.nnodes)
+        shrunk = shrink_mod.for_script(opts.shrink_from, kind, layouts, opts.args) if opts.shrink_from else None
     except (LayoutError, OSError, SyntaxError, ValueError) as exc:
         print(f"paddle_hybrid.verify: {exc}", file=sys.stderr)
         return EXIT_FAILED
     work = opts.work_dir or tempfile.mkdtemp(prefix="ph_verify_")
     print(f"paddle_hybrid.verify: {opts.script} ({kind} script), layouts {', '.join(l.name for l in layouts)}; "
-          f"records in {work}", flush=True)
+          f"records in {work}" + (f"; each layout over {opts.nnodes} launchers (nodes)" if opts.nnodes > 1 else ""),
+          flush=True)
+    if shrunk is not None:
+        script_args = shrink_mod.prepare(shrunk, opts.shrink_from, opts.args, os.path.join(work, "shrunk-model"),
+                                         opts.timeout)
+        if script_args is None:
+            return EXIT_FAILED
+        opts.args = script_args
     started = time.time()
     runs = [(None, "one")] + [(layout, layout.name) for layout in layouts]
     records, failures, seconds = {}, {}, {}
     for layout, name in runs:
         try:
             ok, took, tail = run_layout(opts.script, opts.args, layout, kind, flags, os.path.join(work, name),
-                                        opts.timeout, opts.grad_rtol)
+                                        opts.timeout, opts.grad_rtol, nnodes=opts.nnodes)
         except LayoutError as exc:
             ok, took, tail = False, 0.0, str(exc)
         seconds[name] = took
