@@ -8,7 +8,7 @@ import tempfile
 import time
 
 from ..common.script_kind import kind_of, script_flags
-from . import checks, classes, report, runner
+from . import checks, classes, gpu_estimate, report, runner
 
 __all__ = ["main", "build_parser"]
 
@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each rank with this many microbatches a step instead of the script's, and compose the "
                         "activations the schedule keeps in flight with the script's own count (a model too large "
                         "to run its whole schedule here)")
+    p.add_argument("--gpu-memory", type=float, default=80.0,
+                   help="GB of the job's GPUs: the GPU estimate's share of it is printed (an estimate, see "
+                        "docs/dryrun.md)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -176,7 +179,7 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
             continue
         covered = rank_class if chosen == "auto" else classes.RankClass(rank_class.key, [rank], rank)
         entries.append(report.class_entry(covered, runs[rank], stages, base["schedule_microbatches"],
-                                          base["schedule_virtual_stages"]))
+                                          base["schedule_virtual_stages"], int(args.gpu_memory * 10**9)))
         by_rank[rank] = entries[-1]
     base["rank_classes"] = entries
     if chosen != "auto":
@@ -221,6 +224,7 @@ def _notes(one_chunk: bool) -> list:
         "measured: parameters, gradients, optimizer state, activations saved for backward and the allocator's peak "
         "in step 2, communication of step 2; composed: microbatches in flight (the schedule) and composed_peak_bytes",
         "a CPU's allocator: a GPU adds its caching allocator's fragmentation, workspaces and communication buffers",
+        gpu_estimate.ASSUMPTIONS,
         "derived_from: a sharding rank's class derived from its stage's sharding rank 0 (run): the same parameters, "
         "gradients, activations and calls on its own groups, its own optimizer state from the partition that run's "
         "sharding optimizer made",

@@ -5,16 +5,19 @@ JSON: ``{"world", "nnodes", "nproc_per_node", "degrees", "errors": [{"field", "m
 "rank_classes": [{"class", "ranks", "representative", "parameters_bytes", "gradients_bytes",
 "optimizer_bytes", "activations_bytes", "activations_bytes_per_microbatch", "microbatches",
 "in_flight_microbatches", "peak_bytes", "peak_window", "composed_peak_bytes", "communication": [{"op",
-"group", "calls", "bytes"}], "wall_s", "max_rss_bytes", "derived_from", "routing"}], "wall_s", "notes": [...]}``; bytes
-are integers; every rank of the world is in exactly one class.  ``derived_from`` is null for a class
+"group", "calls", "bytes"}], "wall_s", "max_rss_bytes", "derived_from", "routing", "gpu_estimate": {...}}],
+"wall_s", "notes": [...]}``; bytes are integers; every rank of the world is in exactly one class.  ``derived_from`` is null for a class
 whose representative ran, else the rank whose run it was derived from (:func:`derived_entry`).
 ``routing`` is the probe's (how the class's MoE gates routed: forced-balanced), null where no gate routed.
+``gpu_estimate``: the same class on a GPU in bfloat16 with flash attention, estimated, not measured
+(:mod:`.gpu_estimate`).
 
 Measured: parameters, gradients, optimizer state (bytes of this rank's tensors), activations saved
 for backward in step 2 (per microbatch: divided by its backward calls), the allocator's peak in step
 2, the communication of step 2.  Composed: ``in_flight_microbatches`` (1F1B keeps ``stages - stage``
 microbatches' activations of stage ``stage``; the interleaved schedule ``((stages - stage - 1) * 2 +
-(chunks - 1) * stages + 1)`` chunk forwards of ``1 / chunks`` of a microbatch each), and
+(chunks - 1) * (microbatches % stages + stages) + 1)`` chunk forwards of ``1 / chunks`` of a microbatch
+each, as Paddle's ``PipelineParallelWithInterleave`` starts), and
 ``composed_peak_bytes`` = parameters + gradients + optimizer state + in-flight activations: where the
 real peak cannot be run, the figure to read.
 """
@@ -22,7 +25,10 @@ from __future__ import annotations
 
 import json
 
+from . import gpu_estimate
 from .classes import corresponding_group, describe_ranks
+
+GPU_MEMORY_BYTES = 80 * 10**9  # an 80 GB device (the dry run's --gpu-memory)
 
 __all__ = ["class_entry", "derived_entry", "in_flight", "table", "write_json", "gib"]
 
@@ -56,7 +62,7 @@ def _communication(probe) -> list:
 
 
 def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None = None,
-                schedule_chunks: int | None = None) -> dict:
+                schedule_chunks: int | None = None, gpu_memory_bytes: int = GPU_MEMORY_BYTES) -> dict:
     """``schedule_microbatches``, ``schedule_chunks``: the script's own microbatches a step and virtual
     stages, where the run took fewer (``--measure-microbatches``); the schedule's in-flight count is
     composed with them."""
@@ -70,8 +76,10 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
     activations = int(probe.get("activations_bytes_per_step", 0) or 0)
     per_microbatch = activations // microbatches if microbatches else activations
     flight = in_flight(stage, stages, chunks, schedule_microbatches or microbatches)
+    by_kind = {k: int(v) // microbatches if microbatches else int(v)
+               for k, v in (probe.get("activations_by_kind") or {}).items()}
     params, grads, optim = (_total(probe.get(k)) for k in ("parameters", "gradients", "optimizer"))
-    return {
+    entry = {
         "class": rank_class.label, "ranks": rank_class.ranks, "representative": rank_class.representative,
         "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": optim,
         "parameters_by_dtype": probe.get("parameters", {}), "gradients_by_dtype": probe.get("gradients", {}),
@@ -83,7 +91,10 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         "communication": _communication(probe), "wall_s": round(run.wall_s, 2), "max_rss_bytes": run.max_rss_bytes,
         "derived_from": None,
         "routing": probe.get("routing"),  # the MoE gates' (forced-balanced in a dry run); None: no gate routed
+        "activations_by_kind_per_microbatch": by_kind,
     }
+    entry["gpu_estimate"] = gpu_estimate.estimate(entry, gpu_memory_bytes)
+    return entry
 
 
 def derived_entry(rank_class, source: dict, partition: dict, coords: list) -> dict:
@@ -104,6 +115,7 @@ def derived_entry(rank_class, source: dict, partition: dict, coords: list) -> di
                                if c["group"] is not None else None) for c in source["communication"]],
         "wall_s": 0.0, "max_rss_bytes": None, "derived_from": source["representative"],
     })
+    entry["gpu_estimate"] = gpu_estimate.estimate(entry, source["gpu_estimate"]["device_bytes"])
     return entry
 
 
@@ -114,7 +126,8 @@ def gib(n) -> str:
 
 
 def table(entries: list) -> str:
-    head = ("class", "ranks", "params", "grads", "optim", "act/mb", "in flight", "peak (step 2)", "composed", "comm/step")
+    head = ("class", "ranks", "params", "grads", "optim", "act/mb", "in flight", "peak (step 2)", "composed", "comm/step",
+            "GPU est.", "of device")
     rows = [head]
     for e in entries:
         comm = sum(c["bytes"] for c in e["communication"])
@@ -125,12 +138,14 @@ def table(entries: list) -> str:
                      f"{gib(e['peak_bytes'])} ({e['microbatches']} mb"
                      + (f", from r{e['derived_from']})" if e.get("derived_from") is not None else ")"),
                      gib(e["composed_peak_bytes"]),
-                     f"{calls} calls, {gib(comm)}"))
+                     f"{calls} calls, {gib(comm)}", gib(e["gpu_estimate"]["composed_peak_bytes"]),
+                     f"{e['gpu_estimate']['composed_peak_bytes'] / e['gpu_estimate']['device_bytes']:.0%}"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + ("\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch; "
-                               "from rN: derived from rank N's run, see the notes)") + _routing_lines(entries)
+    legend = ("\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch; from rN: derived from "
+              f"rank N's run, see the notes;\n {gpu_estimate.ASSUMPTIONS}; of device: its composed peak's share)")
+    return "\n".join(lines) + legend + _routing_lines(entries)
 
 
 def _routing_lines(entries: list) -> str:

@@ -16,8 +16,11 @@ elements times its element size):
   counted once per microbatch; parameters an op saves, such as a matmul's weight, are not
   activations; a ``PyLayer``'s ``save_for_backward``, which the hooks do not see, is counted too:
   recompute keeps its segment's input so) during the second step, and the step's backward calls
-  (its microbatches); what recompute's forward saves again inside backward is counted apart
-  (``recomputed_bytes_per_step``: held only while its segment's backward runs);
+  (its microbatches; the interleaved schedule makes one a chunk of a microbatch); what recompute's
+  forward saves again inside backward is counted apart (``recomputed_bytes_per_step``: held only
+  while its segment's backward runs); the same bytes by kind and dtype (``activations_by_kind``:
+  ``square:float32`` for attention's ``[b, heads, s, s]`` tensors, ``other:<dtype>``), for the GPU
+  estimate;
 - **peak**: the allocator's peak from the end of the first update to the end of the second (the
   steady state: the optimizer state exists, one step's activations come and go); with one step only,
   from the start of the process (``peak_window`` says which);
@@ -94,7 +97,7 @@ class _Probe:
         self.directory = directory
         self.record = {"rank": _rank(), "updates": 0, "peak_window": "process"}
         self.optimizers = []
-        self.saved = {"bytes": 0, "ptrs": set(), "backward_calls": 0, "in_backward": 0}
+        self.saved = {"bytes": 0, "ptrs": set(), "backward_calls": 0, "in_backward": 0, "by_kind": {}}
         self.window_open = False
         self.comm = []
         self.groups = {}  # id(process group) -> its global ranks (a real run)
@@ -103,6 +106,8 @@ class _Probe:
     # -- the first and second optimizer updates
     def before_update(self, optimizer, params_grads) -> None:
         if self.record["updates"] == 0:
+            # while the model is alive (a script may drop it before the process exits)
+            self.record["virtual_stages"] = _virtual_stages()
             self.record["parameters"] = _by_dtype(_alive_parameters())
             grads = [g for _, g in params_grads if g is not None]
             self.record["gradients"] = _by_dtype(_gradients() or grads)
@@ -124,7 +129,7 @@ class _Probe:
             if partition is not None:
                 self.record["sharding_partition"] = partition
             core.host_memory_stat_reset_peak_value("Allocated", 0)
-            self.saved.update(bytes=0, ptrs=set(), backward_calls=0)
+            self.saved.update(bytes=0, ptrs=set(), backward_calls=0, by_kind={})
             self.record["recomputed_bytes_per_step"] = 0
             self.window_open = True
         elif self.record["updates"] == 2:
@@ -132,6 +137,7 @@ class _Probe:
             self.record["peak_window"] = "step 2"
             self.record["step_2_seconds"] = self.record["update_times"][1] - self.record["update_times"][0]
             self.record["activations_bytes_per_step"] = self.saved["bytes"]
+            self.record["activations_by_kind"] = dict(self.saved["by_kind"])
             self.record["microbatches"] = self.saved["backward_calls"]
             self.window_open = False
 
@@ -146,7 +152,11 @@ class _Probe:
             ptr = tensor.data_ptr() if tensor._is_initialized() else id(tensor)
             if ptr not in self.saved["ptrs"]:
                 self.saved["ptrs"].add(ptr)
-                self.saved["bytes"] += _nbytes(tensor)
+                size = _nbytes(tensor)
+                self.saved["bytes"] += size
+                kind = "square" if _square(tensor) else "other"
+                key = f"{kind}:{str(tensor.dtype).replace('paddle.', '')}"
+                self.saved["by_kind"][key] = self.saved["by_kind"].get(key, 0) + size
         return tensor
 
     def backward_called(self) -> None:
@@ -174,7 +184,7 @@ class _Probe:
         if "peak_bytes" not in self.record:
             self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
         self.record["topology"] = _topology()
-        self.record["virtual_stages"] = _virtual_stages()
+        self.record.setdefault("virtual_stages", _virtual_stages())
         self.record["communication"] = fake_world.log() if fake_world.active() else self._real_log()
         routing = routing_record.summary()
         if routing is not None:  # MoE gates routed here (forced-balanced in a dry run)
@@ -182,6 +192,13 @@ class _Probe:
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, f"probe.{self.record['rank']}.json"), "w") as f:
             json.dump(self.record, f)
+
+
+def _square(tensor) -> bool:
+    """A tensor of 4 or more dimensions whose last two are equal and over 1: attention's scores,
+    probabilities or mask (``[batch, heads, s, s]``), which a GPU's fused attention does not save."""
+    shape = list(tensor.shape)
+    return len(shape) >= 4 and shape[-1] == shape[-2] > 1
 
 
 def _rank() -> int:
