@@ -6,8 +6,9 @@ layout the real model cannot take is refused before any run; and a shrunk LLaMA 
 Seen failing: with the vocabulary rule replaced by "the smallest multiple of tp of at least 64"
 (64 at tp8), ``test_the_vocabulary_divides_as_the_real_one`` names 64 (not a multiple of 128
 and 256 as 128256 is); with layers per chunk not capped, ``test_llama_8b_for_tp8_pp4_vp2`` names
-32 layers (16 expected); the refusals before ``shrink.py`` existed: exit 2 came from the unknown
-``--shrink-from`` flag, not the refusal's reason the test asserts."""
+32 layers (16 expected); with the kv-head check switched off, the tp16 refusal did not raise and
+the command ran one process and 16 ranks for 45 s until PaddleFormers' own assertion
+("num_heads: 8, tensor_model_parallel_size: 16") failed the run."""
 import json
 import os
 import subprocess
