@@ -8,9 +8,13 @@ Cases (``--case``, several allowed; default ``cost``):
   micro-batch 1, 8 microbatches a step, at tp8 x pp4 on 16 x 8 = 128 ranks (PaddleFormers gives the
   remaining 4 to sharding stage 1).  Each rank runs one microbatch a step
   (``--measure-microbatches 1``) and the schedule's in-flight count is composed.  ``--ranks``: which
-  ranks to run (default: the representative of each pipeline stage at sharding rank 0).
-* ``llama8b-1024``: the same model at tp8 x pp8 on 128 x 8 = 1024 ranks (PaddleFormers 1.2's Trainer has
-  no virtual-pipeline flag; the remaining 16 go to sharding).
+  ranks to run (default ``auto``: each stage's sharding rank 0 runs, its other sharding ranks are derived
+  from that run and the partition its sharding optimizer made).
+* ``llama8b-1024``: the same model at tp8 x pp8 x vp2 on 128 x 8 = 1024 ranks, 16 microbatches a step (the
+  interleaved schedule's least: twice the stages); the virtual pipeline is the model configuration's
+  ``virtual_pipeline_model_parallel_size`` (PaddleFormers 1.2's TrainingArguments has no flag for it); the
+  remaining 16 ranks go to sharding stage 1.  With one microbatch measured, each stage runs its layers as
+  one chunk (the interleaved schedule cannot run one microbatch) and in flight is composed for two.
 * ``cost``: the dry run's time per rank class against the same rank's step in a real run, at a size where
   both run (``examples/gpt_pp.py`` pp2, hidden 512, 2 processes on 2 cores): step 2's seconds in each.
 
@@ -36,9 +40,8 @@ LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "float32"}
 CPU = ["--device", "cpu", "--bf16", "false", "--fp16", "false", "--amp_master_grad", "false", "--split_param", "false",
        "--report_to", "none"]
-# (nnodes, nproc, tp, pp, the ranks run by default: each stage's first at sharding rank 0; PaddleFormers orders
-# fleet's axes data, sharding, pipe, sep, model, so stage s starts at rank tp * s)
-LAYOUTS = {"llama8b-128": (16, 8, 8, 4, "0,8,16,24"), "llama8b-1024": (128, 8, 8, 8, "0,8,16,24,32,40,48,56")}
+# (nnodes, nproc, tp, pp, vp, microbatches a step)
+LAYOUTS = {"llama8b-128": (16, 8, 8, 4, 1, 8), "llama8b-1024": (128, 8, 8, 8, 2, 16)}
 
 
 def _env():
@@ -48,16 +51,16 @@ def _env():
 
 
 def llama(case: str, work: str, seq: int, ranks: str | None) -> dict:
-    nnodes, nproc, tp, pp, default_ranks = LAYOUTS[case]
-    model = os.path.join(work, "llama-3-8b-config")
+    nnodes, nproc, tp, pp, vp, microbatches = LAYOUTS[case]
+    model = os.path.join(work, f"llama-3-8b-config-vp{vp}")
     os.makedirs(model, exist_ok=True)
     with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(LLAMA_3_8B, f)
+        json.dump(dict(LLAMA_3_8B, virtual_pipeline_model_parallel_size=vp), f)
     report = os.path.join(work, f"{case}.json")
     cmd = [sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
-           "--ranks", ranks or default_ranks, "--measure-microbatches", "1", "--work", os.path.join(work, case),
+           "--ranks", ranks or "auto", "--measure-microbatches", "1", "--work", os.path.join(work, case),
            "--json", report, TRAINER, "--model_name_or_path", model, "--init_from_config", "true", "--output_dir",
-           os.path.join(work, f"{case}-out"), *CPU, "--max_steps", "2", "--gradient_accumulation_steps", "8",
+           os.path.join(work, f"{case}-out"), *CPU, "--max_steps", "2", "--gradient_accumulation_steps", str(microbatches),
            "--per_device_train_batch_size", "1", "--seq_length", str(seq), "--num_samples", "64", "--save_strategy",
            "no", "--logging_steps", "1", "--tensor_model_parallel_size", str(tp), "--pipeline_model_parallel_size",
            str(pp)]
@@ -110,7 +113,7 @@ def main(argv=None) -> int:
     results = {}
     for case in args.case or ["cost"]:
         results[case] = cost(work) if case == "cost" else llama(case, work, args.seq, args.ranks)
-    print("\ncase            rank/class          wall s   peak RSS GiB   peak alloc GiB   composed GiB")
+    print("\ncase            rank/class          wall s   peak RSS GiB   peak alloc GiB   composed GiB   GPU est. GiB")
     for case, result in results.items():
         if case == "cost":
             for row in result["rows"]:
@@ -118,9 +121,13 @@ def main(argv=None) -> int:
                       f" ({row['ratio']}x)")
             continue
         for c in result.get("rank_classes", []):
+            if c.get("derived_from") is not None:
+                continue  # a sharding rank's class derived from its stage's run: no run of its own
             print(f"{case:15} {c['class'] + ' r' + str(c['representative']):19} {c['wall_s']:7.1f}   "
                   f"{c['max_rss_bytes'] / 2**30:12.2f}   {c['peak_bytes'] / 2**30:14.2f}   "
-                  f"{c['composed_peak_bytes'] / 2**30:12.2f}")
+                  f"{c['composed_peak_bytes'] / 2**30:12.2f}   {c['gpu_estimate']['composed_peak_bytes'] / 2**30:12.2f}")
+        derived = sum(1 for c in result.get("rank_classes", []) if c.get("derived_from") is not None)
+        print(f"{case:15} {derived} more classes derived from these runs; wall {result.get('bench_wall_s')} s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
