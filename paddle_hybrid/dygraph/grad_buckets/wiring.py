@@ -87,7 +87,8 @@ def attach_buckets(model, strategy, hcg, max_params: int = 0, layout_timeout: fl
 
     if not _wanted(model, strategy, hcg):
         return None
-    params = [p for p in _bucket_params(model) if not p.stop_gradient]
+    # a no_sync parameter (an expert of this rank's own) is not averaged by paddle.DataParallel either
+    params = [p for p in _bucket_params(model) if not p.stop_gradient and not getattr(p, "no_sync", False)]
     if not params:
         return None
     with_main_grad = [hasattr(p, "main_grad") for p in params]
