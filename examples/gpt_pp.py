@@ -35,8 +35,10 @@ import numpy as np
 # per-replica batch the verifier divides by the data-parallel replicas (so every layout trains one global batch),
 # the microbatches a step and the virtual pipeline stages.
 PADDLE_HYBRID_LAYOUT_FLAGS = {"mp": "--mp", "pp": "--pp", "dp": "--dp", "sharding": "--sharding",
+                              "sharding_stage": "--sharding-stage", "sep": "--sep",
                               "sp": "--sequence-parallel", "batch": "--micro-batch-size",
-                              "accumulate": "--accumulate-steps", "vp": "--vp"}
+                              "accumulate": "--accumulate-steps", "vp": "--vp",
+                              "layers": "--layers", "heads": "--heads", "seq_len": "--seq-len"}
 
 # --------------------------------------------------------------------------- arguments
 
@@ -62,9 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sharding", type=int, default=1,
                    help="sharding degree: optimizer states (stage 1) and gradients (stage 2) split over this many "
                         "data-parallel replicas")
-    g.add_argument("--sharding-stage", type=int, default=1, choices=(1, 2),
+    g.add_argument("--sharding-stage", type=int, default=1, choices=(1, 2, 3),
                    help="1: fleet's sharding optimizer inside hybrid parallel; 2: group_sharded_parallel 'os_g' "
-                        "(needs --pp 1 --mp 1 --dp 1)")
+                        "(gradients and optimizer states split); 3: group_sharded_parallel 'p_g_os' (parameters "
+                        "too); 2 and 3 need --pp 1 --mp 1 --dp 1 --sep 1")
+    g.add_argument("--segment-size", type=int, default=1024,
+                   help="--sharding-stage 3 slices each parameter of more than this many elements over the ranks "
+                        "(group_sharded_parallel's segment_size; Paddle's default is 2**20, which would leave every "
+                        "parameter of this small model whole)")
+    g.add_argument("--sep", type=int, default=1,
+                   help="segment-parallel degree: each rank holds 1/sep of every sequence; attention gathers the "
+                        "keys and values of the whole sequence (fleet's sep_degree)")
     g.add_argument("--recompute", action="store_true",
                    help="recompute every block in backward (PipelineLayer(recompute_interval=1))")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per microbatch")
@@ -101,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
     """Check the arguments against each other (and the world size); raise
     :class:`ArgError` naming the flag to change."""
-    for name in ("pp", "vp", "dp", "mp", "sharding", "micro_batch_size", "accumulate_steps", "layers", "hidden", "heads", "seq_len",
-                 "steps", "log_every"):
+    for name in ("pp", "vp", "dp", "mp", "sharding", "sep", "micro_batch_size", "accumulate_steps", "layers", "hidden",
+                 "heads", "seq_len", "steps", "log_every"):
         if getattr(args, name) < 1:
             raise ArgError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     if not 0.0 <= args.dropout < 1.0:
@@ -129,28 +139,35 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
     if args.mp > 1 and args.heads % args.mp:
         raise ArgError(f"--heads ({args.heads}) must be a multiple of --mp ({args.mp}): each tensor-parallel rank "
                        "computes whole heads.")
+    if args.seq_len % args.sep:
+        raise ArgError(f"--seq-len ({args.seq_len}) must be a multiple of --sep ({args.sep}): each segment-parallel "
+                       "rank holds an equal part of every sequence.")
     if args.sequence_parallel:
         if args.mp == 1:
             raise ArgError("--sequence-parallel splits the sequence over the tensor-parallel ranks; it needs --mp > 1.")
-        if args.seq_len % args.mp:
-            raise ArgError(f"--seq-len ({args.seq_len}) must be a multiple of --mp ({args.mp}) with "
-                           "--sequence-parallel.")
+        if (args.seq_len // args.sep) % args.mp:
+            raise ArgError(f"--seq-len ({args.seq_len}) / --sep ({args.sep}) must be a multiple of --mp ({args.mp}) "
+                           "with --sequence-parallel.")
     if args.timeline and args.pp == 1:
         raise ArgError("--timeline records the pipeline schedule; it needs --pp > 1.")
     if args.mp > 1 and args.cudagraph:
         raise ArgError("--cudagraph with --mp > 1 is not supported (collectives inside a captured stage); "
                        "drop one of them.")
-    if args.sharding_stage == 2:
+    if args.sharding_stage > 1:
+        stage = args.sharding_stage
         if args.sharding == 1:
-            raise ArgError("--sharding-stage 2 needs --sharding > 1 (the ranks the gradients are split over).")
-        if (args.pp, args.mp, args.dp) != (1, 1, 1):
-            raise ArgError("--sharding-stage 2 (group_sharded_parallel) does not combine with fleet's pipeline, tensor "
-                           "or data parallel here: use --pp 1 --mp 1 --dp 1, or --sharding-stage 1.")
-    procs = args.pp * args.mp * args.dp * args.sharding
+            raise ArgError(f"--sharding-stage {stage} needs --sharding > 1 (the ranks the gradients are split over).")
+        if (args.pp, args.mp, args.dp, args.sep) != (1, 1, 1, 1):
+            raise ArgError(f"--sharding-stage {stage} (group_sharded_parallel) does not combine with fleet's pipeline, "
+                           "tensor, data or segment parallel here: use --pp 1 --mp 1 --dp 1 --sep 1, or "
+                           "--sharding-stage 1.")
+    if args.segment_size < 0:
+        raise ArgError(f"--segment-size must be >= 0, got {args.segment_size}.")
+    procs = args.pp * args.mp * args.dp * args.sharding * args.sep
     if world_size is not None and procs != world_size:
         raise ArgError(
-            f"--pp x --mp x --dp x --sharding = {procs} but {world_size} processes were launched; launch with "
-            f"--nproc_per_node {procs} or change --pp/--mp/--dp/--sharding."
+            f"--pp x --mp x --dp x --sharding x --sep = {procs} but {world_size} processes were launched; launch "
+            f"with --nproc_per_node {procs} or change --pp/--mp/--dp/--sharding/--sep."
         )
     return args
 
@@ -222,6 +239,69 @@ def _qkv_columns_by_head(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(h, 3, heads, h // heads).transpose(0, 2, 1, 3).reshape(h, 3 * h)
 
 
+class SegmentParallel:
+    """Segment parallel (fleet's ``sep_degree``): each of the ``sep`` ranks holds one consecutive
+    part of every sequence (its tokens, positions and labels); attention needs the whole sequence's
+    keys and values, the loss is the mean over the whole sequence.  Fleet sums the gradients over
+    the sep group (``fused_allreduce_gradients``: "sep all reduce is not scaled"), so each rank's
+    backward must give its own part's share of the whole loss's gradient."""
+
+    def __init__(self, hcg, degree: int):
+        self.degree = degree
+        self.group = hcg.get_sep_parallel_group() if degree > 1 else None
+        self.rank = hcg.get_sep_parallel_rank() if degree > 1 else 0
+        self.gather, self.sum_forward = _sequence_layers() if degree > 1 else (None, None)
+
+    def offset(self, local_len: int) -> int:
+        """The sequence position of this rank's first token."""
+        return self.rank * local_len
+
+    def whole_sequence(self, x, axis: int):
+        """``x`` of every sep rank joined along ``axis`` (the sequence); the gradient of this
+        rank's part is what every rank's queries sent back to it, summed."""
+        return x if self.degree == 1 else self.gather.apply(x, axis, self.group, self.rank, self.degree)
+
+    def sequence_mean(self, loss):
+        """This part's mean loss to the whole sequence's: the parts' means averaged (equal parts).
+        Forward: summed over the sep ranks; backward: each rank's own part only, so the gradients
+        fleet sums over the group are the whole loss's."""
+        return loss if self.degree == 1 else self.sum_forward.apply(loss / self.degree, self.group)
+
+
+def _sequence_layers():
+    """The two autograd functions of segment parallel (made here: Paddle is imported in main)."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle.autograd import PyLayer
+
+    class GatherSequence(PyLayer):
+        @staticmethod
+        def forward(ctx, x, axis, group, rank, degree):
+            ctx.axis, ctx.group, ctx.rank, ctx.degree = axis, group, rank, degree
+            parts = []
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return paddle.concat(parts, axis=axis)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)  # every rank's queries' share of each part's gradient
+            return paddle.split(grad, ctx.degree, axis=ctx.axis)[ctx.rank]
+
+    class SumForward(PyLayer):
+        @staticmethod
+        def forward(ctx, x, group):
+            total = x.clone()
+            dist.all_reduce(total, group=group)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return GatherSequence, SumForward
+
+
 def build_model(args, vocab_size: int, topology, hcg):
     import paddle
     import paddle.nn as nn
@@ -234,6 +314,7 @@ def build_model(args, vocab_size: int, topology, hcg):
 
     mp, mp_rank = hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()
     sp = args.sequence_parallel
+    sep = SegmentParallel(hcg, args.sep)
     vocab = padded_vocab(vocab_size)
     if vocab % mp:
         raise ArgError(f"--mp ({mp}) must divide the padded vocabulary ({vocab}); use 1, 2, 4 or 8.")
@@ -284,7 +365,8 @@ def build_model(args, vocab_size: int, topology, hcg):
             load(self.pos, _normal(args.seed, (0, 1), (args.seq_len, h), 0.02))
 
         def forward(self, ids):
-            x = super().forward(ids) + self.pos[: ids.shape[1]]
+            start = sep.offset(ids.shape[1])  # this rank's part of the sequence starts there
+            x = super().forward(ids) + self.pos[start : start + ids.shape[1]]
             if sp:
                 x = spu.ScatterOp.apply(x.transpose([1, 0, 2]))
             return replicated_dropout(x)
@@ -315,8 +397,12 @@ def build_model(args, vocab_size: int, topology, hcg):
             b, t, _ = qkv.shape
             nh, hd = args.heads // mp, h // args.heads
             q, k, v = qkv.reshape([b, t, nh, 3, hd]).transpose([3, 0, 2, 1, 4])
+            # with segment parallel: this rank's queries against the whole sequence's keys and values
+            k, v = sep.whole_sequence(k, axis=2), sep.whole_sequence(v, axis=2)
             att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(hd)
-            mask = paddle.triu(paddle.full([t, t], float("-inf"), dtype=att.dtype), diagonal=1)
+            # causal: query i (at sequence position start + i) sees keys 0 .. start + i
+            mask = paddle.triu(paddle.full([t, k.shape[2]], float("-inf"), dtype=att.dtype),
+                               diagonal=1 + sep.offset(t))
             att = mp_dropout(F.softmax(att + mask, axis=-1))
             y = paddle.matmul(att, v).transpose([0, 2, 1, 3]).reshape([b, t, nh * hd])
             return self.proj(y.transpose([1, 0, 2]) if sp else y)
@@ -347,8 +433,10 @@ def build_model(args, vocab_size: int, topology, hcg):
 
         def forward(self, logits, labels):
             if self.parallel_ce is not None:
-                return self.parallel_ce(logits, labels).mean()
-            return F.cross_entropy(logits.reshape([-1, vocab]), labels.reshape([-1])).mean()
+                loss = self.parallel_ce(logits, labels).mean()
+            else:
+                loss = F.cross_entropy(logits.reshape([-1, vocab]), labels.reshape([-1])).mean()
+            return sep.sequence_mean(loss)
 
     descs = [SharedLayerDesc("embed", EmbeddingPipe, shared_weight_attr="weight")]
     descs += [LayerDesc(BlockPipe, i + 1) for i in range(layers)]
@@ -371,10 +459,11 @@ def make_strategy(args):
     from paddle.distributed import fleet
 
     strategy = fleet.DistributedStrategy()
-    # stage 2 (group_sharded_parallel) runs outside fleet's hybrid model: fleet sees its ranks as dp
+    # stages 2 and 3 (group_sharded_parallel) run outside fleet's hybrid model: fleet sees their ranks as dp
     stage1 = args.sharding_stage == 1
     strategy.hybrid_configs = {"dp_degree": args.dp if stage1 else args.sharding, "mp_degree": args.mp,
                                "pp_degree": args.pp, "sharding_degree": args.sharding if stage1 else 1,
+                               "sep_degree": args.sep,
                                "pp_configs": {"use_batch_p2p_comm": bool(args.batch_p2p)}}
     strategy.pipeline_configs = {"accumulate_steps": args.accumulate_steps, "micro_batch_size": args.micro_batch_size}
     # fleet seeds the model-parallel RNG at init; from --seed, not a random draw
@@ -415,7 +504,7 @@ def save_plot(path: str, losses: list) -> bool:
 def layout_tag(args) -> str:
     """File name stem of a run: ``pp2_vp1_dp1`` plus what is on (``_mp2_sp``, ``_rc``, ...)."""
     tag = f"pp{args.pp}_vp{args.vp}" + (f"_mp{args.mp}" if args.mp > 1 else "")
-    tag += ("_sp" if args.sequence_parallel else "") + f"_dp{args.dp}"
+    tag += ("_sp" if args.sequence_parallel else "") + f"_dp{args.dp}" + (f"_sep{args.sep}" if args.sep > 1 else "")
     for flag, suffix in (("recompute", "_rc"), ("fuse_allreduce", "_fused"), ("cudagraph", "_graph")):
         tag += suffix if getattr(args, flag) else ""
     return tag
@@ -428,7 +517,7 @@ def data_parallel_layout(args, hcg):
     replica = hcg.get_data_parallel_rank() * args.sharding + hcg.get_sharding_parallel_rank()
     groups = [g for g, n in ((hcg.get_sharding_parallel_group(), args.sharding),
                              (hcg.get_data_parallel_group(), args.dp)) if n > 1]
-    if args.sharding_stage == 2:  # fleet does not know these ranks as sharding: they are its "dp"
+    if args.sharding_stage > 1:  # fleet does not know these ranks as sharding: they are its "dp"
         replica = hcg.get_data_parallel_rank()
         groups = [hcg.get_data_parallel_group()]
     return replicas, replica, groups
@@ -488,6 +577,7 @@ def main(argv=None) -> dict:
         paddle_hybrid.dygraph.timeline.enable()
     rank = dist.get_rank()
     replicas, replica, data_groups = data_parallel_layout(args, hcg)
+    sep_rank = hcg.get_sep_parallel_rank() if args.sep > 1 else 0
 
     if args.corpus_file:
         with open(args.corpus_file, encoding="utf-8") as f:
@@ -502,10 +592,12 @@ def main(argv=None) -> dict:
         warmup_steps=args.warmup_steps, start_lr=args.lr / 10, end_lr=args.lr)
     opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters(), weight_decay=0.0,
                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-    if args.sharding_stage == 2:
+    if args.sharding_stage > 1:
         from paddle.distributed.sharding import group_sharded_parallel
 
-        model, opt, _ = group_sharded_parallel(model, opt, level="os_g", group=data_groups[0])
+        level = {2: "os_g", 3: "p_g_os"}[args.sharding_stage]
+        model, opt, _ = group_sharded_parallel(model, opt, level=level, group=data_groups[0],
+                                               segment_size=args.segment_size)
     else:
         model = fleet.distributed_model(model)
         opt = fleet.distributed_optimizer(opt)
@@ -515,7 +607,7 @@ def main(argv=None) -> dict:
     n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
     if rank == 0:
         print(f"gpt_pp: pp={args.pp} vp={args.vp} mp={args.mp}{' +sp' if args.sequence_parallel else ''} "
-              f"dp={args.dp} sharding={args.sharding}"
+              f"dp={args.dp} sharding={args.sharding}{f' sep={args.sep}' if args.sep > 1 else ''}"
               f"{f' (stage {args.sharding_stage})' if args.sharding > 1 else ''}"
               f"{' recompute' if args.recompute else ''} | {args.layers} blocks, hidden {args.hidden}, "
               f"vocab {data.vocab_size}, {n_params} params on stage 0 | {args.accumulate_steps} microbatches x "
@@ -527,6 +619,9 @@ def main(argv=None) -> dict:
     for step in range(args.steps):
         x, y = data.global_batch(step, per_dp * replicas)
         x, y = x[replica * per_dp : (replica + 1) * per_dp], y[replica * per_dp : (replica + 1) * per_dp]
+        if args.sep > 1:  # this segment-parallel rank's part of every sequence
+            part = args.seq_len // args.sep
+            x, y = x[:, sep_rank * part : (sep_rank + 1) * part], y[:, sep_rank * part : (sep_rank + 1) * part]
         t0 = time.time()
         loss = train_step(model, loss_fn, opt, sched, paddle.to_tensor(x), paddle.to_tensor(y), args)
         step_times.append(time.time() - t0)

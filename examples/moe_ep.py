@@ -27,6 +27,10 @@ from paddle import nn
 
 import paddle_hybrid  # noqa: F401  (gloo all-to-all, the CPU routing kernels)
 
+# How `python -m paddle_hybrid.verify` gives this script a layout (docs/verify.md): expert parallel over every
+# process (each also a data-parallel replica), the batch given for all replicas together, the experts ep divides.
+PADDLE_HYBRID_LAYOUT_FLAGS = {"ep": "--ep", "global_batch": "--global-batch", "experts": "--moe-experts"}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -105,17 +109,25 @@ class MoELM(nn.Layer):
         return self.head(h)
 
 
-def sync_gradients(model, ep_size, group):
-    """Data parallelism over the EP ranks: shared weights averaged, experts' sums divided."""
+def mark_experts(model):
+    """An expert's parameters are this rank's own: fleet's data parallelism neither broadcasts
+    them at the start nor averages their gradients (``no_sync``; ``expert`` says why)."""
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.no_sync = True
+            p.expert = True
+
+
+def scale_expert_gradients(model, ep_size):
+    """An expert's gradient is already summed over every rank's tokens by the MoE layer's backward;
+    data parallelism averages the shared weights' over the ranks (``fleet.distributed_model``),
+    so the experts' are divided by the ranks likewise."""
     if ep_size == 1:
         return
     with paddle.no_grad():
         for name, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            if ".experts." not in name:
-                dist.all_reduce(p.grad, group=group)
-            p.grad.scale_(1.0 / ep_size)
+            if p.grad is not None and getattr(p, "expert", False):
+                p.grad.scale_(1.0 / ep_size)
 
 
 def main(argv=None):
@@ -128,13 +140,19 @@ def main(argv=None):
     if args.moe_experts % ep_size or args.global_batch % ep_size:
         raise SystemExit(f"--moe-experts {args.moe_experts} and --global-batch {args.global_batch} must be "
                          f"multiples of --ep {ep_size}.")
-    group, rank = None, 0
-    if ep_size > 1:
-        dist.init_parallel_env()
-        group, rank = dist.collective._get_global_group(), dist.get_rank()
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": ep_size, "mp_degree": 1, "pp_degree": 1}
+    fleet.init(is_collective=True, strategy=strategy)
+    hcg = fleet.get_hybrid_communicate_group()
+    # the experts are spread over the data-parallel ranks
+    group, rank = (hcg.get_data_parallel_group(), hcg.get_data_parallel_rank()) if ep_size > 1 else (None, 0)
 
     model = MoELM(args, group, rank, ep_size)
-    opt = paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters())
+    mark_experts(model)
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(paddle.optimizer.AdamW(learning_rate=args.lr, parameters=model.parameters()))
     data = corpus(args.steps * args.global_batch * (args.seq_len + 1) + 1)
     per_rank = args.global_batch // ep_size
     losses = []
@@ -148,7 +166,7 @@ def main(argv=None):
         logits = model(x)
         loss = nn.functional.cross_entropy(logits.reshape([-1, len(CHARS)]), y.reshape([-1]))
         loss.backward()
-        sync_gradients(model, ep_size, group)
+        scale_expert_gradients(model, ep_size)
         opt.step()
         opt.clear_grad()
         global_loss = loss.detach().clone()

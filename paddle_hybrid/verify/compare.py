@@ -43,6 +43,7 @@ class Record:
     aliases: dict  # other name -> name, for a parameter held under two names (tied)
     grads: dict  # name -> whole gradient of step 1 as the optimizer applied it ("name::by_part" candidates too)
     allowances: dict  # label -> {name: each element's rounding allowance} (the one-process run's)
+    places: dict = dataclasses.field(default_factory=dict)  # name -> {"stage", "chunk"} (a pipeline's)
 
 
 def load(directory: str) -> Record:
@@ -61,18 +62,20 @@ def load(directory: str) -> Record:
                     conflicts.append((label, name, [owners[label][name], int(rank)]))
                 held.setdefault(name, data[name])
                 owners.setdefault(label, {}).setdefault(name, int(rank))
-    shapes, aliases = {}, {}
+    shapes, aliases, places = {}, {}, {}
     for record in ranks.values():
         for label, described in record.get("replicas", {}).items():
             for name, shape in described.get("shapes", {}).items():
                 shapes.setdefault(label, {}).setdefault(name, shape)
             aliases.update(described.get("aliases", {}))
+            for name, place in described.get("places", {}).items():
+                places.setdefault(name, place)
     allowances = {}
     for path in glob.glob(os.path.join(directory, "allowance.rank*.npz")):
         label = re.match(r".*allowance\.rank\d+\.(\w+)\.npz$", path).group(1)
         with np.load(path) as data:
             allowances.setdefault(label, {}).update({name: data[name] for name in data.files})
-    return Record(ranks, params, conflicts, shapes, aliases, _load_gradients(directory, ranks), allowances)
+    return Record(ranks, params, conflicts, shapes, aliases, _load_gradients(directory, ranks), allowances, places)
 
 
 def _load_gradients(directory: str, ranks: dict) -> dict:
@@ -97,6 +100,11 @@ def _load_gradients(directory: str, ranks: dict) -> dict:
         if not entries:
             continue
         rank, meta = entries[0]
+        if meta.get("shard"):
+            joined = _join_shards(name, entries, files)
+            if joined is not None:
+                grads[name] = joined
+            continue
         if meta["axis"] is None:
             grads[name] = files[rank][name]
             continue
@@ -109,6 +117,20 @@ def _load_gradients(directory: str, ranks: dict) -> dict:
         for variant, value in join(slices, meta["axis"], meta["parts"]).items():
             grads[name + (VARIANT + variant if variant else "")] = value
     return grads
+
+
+def _join_shards(name: str, entries: list, files: dict):
+    """A group-sharded stage-3 parameter's whole gradient from its slices (one a rank of the
+    group, in group order, the parameter flattened and padded at the end), or None if a slice is
+    missing."""
+    by_place = {}
+    for r, m in entries:
+        by_place.setdefault(m["shard"]["rank"], r)
+    shard = entries[0][1]["shard"]
+    if len(by_place) != shard["size"]:
+        return None
+    flat = np.concatenate([files[by_place[place]][name].reshape(-1) for place in range(shard["size"])])
+    return flat[:int(np.prod(shard["shape"]))].reshape(shard["shape"])
 
 
 VARIANT = "::"  # verify_record.VARIANT: "name::by_part" is another candidate whole value of "name"
@@ -201,7 +223,8 @@ def tolerance(ref, rtol: float, atol: float, allowance=None):
     return tol
 
 
-WORDS = {"mp": "tensor-parallel", "dp": "data-parallel", "sharding": "sharding", "tied": "pipeline-tied"}
+WORDS = {"mp": "tensor-parallel", "dp": "data-parallel", "sharding": "sharding", "sep": "segment-parallel",
+         "tied": "pipeline-tied"}
 
 
 def compare(reference: Record, run: Record, mp: int, rtol: float, atol: float, gradient_rtol: float) -> Verdict:
@@ -260,7 +283,14 @@ def compare(reference: Record, run: Record, mp: int, rtol: float, atol: float, g
         diverging[label] = sorted(bad, key=lambda item: -item[1])
     if diverging["grads"] or diverging["step1"]:
         first_step = 1  # step 1 already applied something else than one process did
+    started = _start_differences(reference, run, rtol, atol)
+    if started:
+        first_step = 1
+        findings.append(f"the layout starts from another model: {len(started)} parameters differ before the first "
+                        f"update: {_listed(started[:5])}{f' and {len(started) - 5} more' if len(started) > 5 else ''}")
     findings += _replica_findings(run)
+    findings += _partition_findings(reference, run)
+    findings += _chunk_findings(run, started or [n for label in ("grads", "step1") for n, _ in diverging[label]])
     equal = first_step is None and not findings and not any(diverging.values())
     return Verdict(equal, first_step, loss_diff, param_diff, diverging, _unique(findings), grad_diff, compared,
                    closest, largest)
@@ -318,10 +348,73 @@ def _replica_findings(run: Record) -> list:
                           "(a partial gradient on each rank), or a parameter sized per rank but not marked distributed",
                     "dp": "data-parallel replicas differ: a gradient not all-reduced",
                     "sharding": "sharding replicas differ: an update not sent to every rank",
+                    "sep": "segment-parallel replicas differ: a gradient not summed over the sep group",
                     "tied": "tied across pipeline stages, but the stages differ: its gradients are not summed"}[kind]
+            if kind in ("dp", "sharding") and _is_expert(run, name, ranks):
+                what = ("the replicas of an expert (the ranks holding it: the same place in their expert-parallel "
+                        "groups) differ: its gradient was not reduced over them")
             out.append(f"{name}: differs within the {WORDS[kind]} group {list(ranks)} after "
                        f"{'step 1' if label == 'step1' else 'the last step'} (ranks {list(groups.values())}): {what}")
     return out
+
+
+def _is_expert(run: Record, name: str, ranks) -> bool:
+    return any(name in run.ranks[r].get("replicas", {}).get("step1", {}).get("experts", ()) for r in ranks
+               if r in run.ranks)
+
+
+def _partition_findings(reference: Record, run: Record) -> list:
+    """A parameter no rank of its sharding group updated at step 1: each rank of a sharding group
+    applies the step to its own partition of the parameters, and this one is in none (one
+    process applied a gradient to it)."""
+    out, seen = [], set()
+    for entry in run.ranks.values():
+        described = entry.get("replicas", {}).get("step1", {})
+        group = tuple(described.get("groups", {}).get("sharding", ()))
+        if len(group) < 2 or group in seen or not all(r in run.ranks for r in group):
+            continue
+        seen.add(group)
+        held, applied = set(), set()
+        for r in group:
+            held.update(run.ranks[r].get("replicas", {}).get("step1", {}).get("digests", {}))
+            applied.update(run.ranks[r].get("gradients", {}))
+        for name in sorted((held & set(reference.grads)) - applied):
+            out.append(f"{name}: in no partition of the sharding group {list(group)}: each rank updates its own "
+                       f"share of the parameters, and no rank applied {name}'s step-1 gradient, which one process "
+                       f"did (so it is never trained)")
+    return out
+
+
+def _start_differences(reference: Record, run: Record, rtol: float, atol: float) -> list:
+    """The parameters that differ from one process's before the first update (both runs record
+    them then), by name."""
+    ref = reference.params.get("start", {})
+    got = _by_reference_names(_pick_variants(run.params.get("start", {}), ref), reference)
+    return sorted(name for name in set(ref) & set(got)
+                  if ref[name].shape == got[name].shape and not _close(got[name], ref[name], rtol, atol))
+
+
+def _chunk_findings(run: Record, differing: list) -> list:
+    """Where the parameters that differ are (those of the start if any, else step 1's), when a
+    virtual pipeline holds them all in some of its chunks and every parameter of the other
+    chunks agrees."""
+    chunked = {name: place["chunk"] for name, place in run.places.items() if place.get("chunk") is not None}
+    bad = {name for name in differing if name in chunked}
+    if not bad:
+        return []
+    chunks = sorted({chunked[name] for name in bad})
+    others = sorted(set(chunked.values()) - set(chunks))
+    if not others:
+        return []
+    layers = sorted({int(name.split(".")[0]) for name in bad if name.split(".")[0].isdigit()})
+    stages = sorted({run.places[name]["stage"] for name in bad})
+    return [f"the parameters that differ are all in virtual chunk {_listed(chunks)} of pipeline stages "
+            f"{_listed(stages)} (layers {_listed(layers)}); every parameter of chunk {_listed(others)} agrees: what "
+            f"a virtual chunk holds differs from one process's layers there"]
+
+
+def _listed(values) -> str:
+    return ", ".join(str(v) for v in values)
 
 
 def _unique(items: list) -> list:

@@ -1,35 +1,64 @@
 """Layouts as the verifier's command line names them, and how each becomes a run of the script.
 
-A layout is degrees joined: ``tp2`` (tensor parallel), ``pp2`` (pipeline), ``dp2`` (data
-parallel), ``sharding2`` (sharding stage 1), ``sp2`` (tensor parallel 2 with sequence parallel),
-``tp2pp2``, ``dp2tp2`` ...; its processes are the product of the degrees.
+A layout is degrees joined: ``tp2`` (tensor parallel), ``pp2`` (pipeline), ``pp4vp2`` (4 stages of
+2 virtual stages each: the interleaved schedule), ``dp2`` (data parallel), ``sharding2`` (sharding
+stage 1; ``sharding2s2`` / ``sharding2s3``: fleet's group-sharded stages 2 and 3), ``sp2`` (tensor
+parallel 2 with sequence parallel), ``sep2`` (segment parallel: each rank holds a part of every
+sequence), ``ep2`` (expert parallel), ``tp2pp2``, ``dp2tp2`` ...
+
+Its processes are the product of tp, pp, dp, sharding and sep.  Virtual stages add none (they are
+chunks of each stage); expert parallel adds none either: as in Paddle's topology, the experts are
+spread over the data-parallel replicas (dp x sharding), so ``ep`` must divide them, and a layout
+that names no data parallel gets as many replicas as ``ep`` (``ep2`` is 2 processes, each a
+data-parallel replica holding half the experts; ``dp4ep2`` is 4, two expert groups of 2).
 
 How a script takes a layout depends on what the script is (:func:`kind_of`):
 
 * ``trainer`` (PaddleFormers' ``TrainingArguments`` in the script): the Trainer's own flags
-  (``--tensor_model_parallel_size``, ``--pipeline_model_parallel_size``, ``--sharding stage1
-  --sharding_parallel_size``, ``--sequence_parallel true``); data parallel is what is left of the
-  processes.  ``--per_device_train_batch_size`` is divided by the data-parallel replicas, so every
-  layout trains the same global batch as one process.
+  (``--tensor_model_parallel_size``, ``--pipeline_model_parallel_size``, ``--sharding stage1``
+  (``stage2``, ``stage3``) ``--sharding_parallel_size``, ``--sep_parallel_size``,
+  ``--sequence_parallel true``); data parallel is what is left of the processes.
+  ``--per_device_train_batch_size`` is divided by the data-parallel replicas, so every layout
+  trains the same global batch as one process.  PaddleFormers 1.2 has no virtual-pipeline flag,
+  and expert parallel through the Trainer was not tried: both are refused.
 * ``flags``: the script declares how it takes degrees, in a module-level dict
-  ``PADDLE_HYBRID_LAYOUT_FLAGS = {"mp": "--mp", "pp": "--pp", "dp": "--dp", "sharding": "--sharding",
-  "sp": "--sequence-parallel", "batch": "--micro-batch-size"}`` (read from its source, not run;
-  ``examples/gpt_pp.py`` has one); ``batch`` is divided as above.
-* ``fleet``: anything else: the plugin puts the degrees into the strategy ``fleet.init`` gets, and
-  draws every weight again by its name (``seeded_init``), so every layout starts from one model.
-  Such a script must feed each data-parallel replica its share of the batch itself.
+  ``PADDLE_HYBRID_LAYOUT_FLAGS`` (read from its source, not run; ``examples/gpt_pp.py`` and
+  ``examples/moe_ep.py`` have one).  Its keys (:data:`FLAG_KEYS`): the degrees ``mp``, ``pp``,
+  ``vp``, ``dp``, ``sharding``, ``sep``, ``ep``, ``sharding_stage``, the switch ``sp``; the batch,
+  ``batch`` (per data-parallel replica: divided by the replicas) or ``global_batch`` (over all of
+  them: given unchanged, it must split evenly); what the degrees must divide, ``layers``, ``heads``,
+  ``seq_len``, ``experts``, and ``accumulate`` (microbatches a step).  Each degree key present is
+  stated in every run (1 in the one-process run); a layout that needs a key the script lacks is
+  refused naming it.
+* ``fleet``: anything else: the plugin puts the degrees (tp, pp, dp, sharding, sep) into the
+  strategy ``fleet.init`` gets, and draws every weight again by its name (``seeded_init``), so
+  every layout starts from one model.  Such a script must feed each data-parallel replica its
+  share of the batch itself.  Virtual stages, group-sharded stages and expert parallel are the
+  script's own calls (``PipelineLayer``, ``group_sharded_parallel``, its MoE layer): refused.
+
+A layout the script cannot take is refused before any run (:func:`layout_args` raises
+:class:`LayoutError`), naming the missing flag or the degree that does not divide what.
 """
 from __future__ import annotations
 
+import ast
 import re
 
-from ..common.script_kind import kind_of, script_flags  # noqa: F401  (this module's API)
+from ..common.script_kind import kind_of
+from ..common.script_kind import script_flags as _declared_flags
 
-__all__ = ["Layout", "parse_layouts", "kind_of", "script_flags", "layout_args", "LayoutError"]
+__all__ = ["Layout", "parse_layouts", "kind_of", "script_flags", "ScriptFlags", "layout_args", "LayoutError",
+           "DEGREES", "FLAG_KEYS"]
 
 TRAINER_DEFAULT_BATCH = "8"  # TrainingArguments' per_device_train_batch_size when not given
-_PART = re.compile(r"(tp|mp|pp|dp|sharding|sp)(\d+)")
+DEGREES = ("mp", "pp", "vp", "dp", "sharding", "sep", "ep")
+# every key a PADDLE_HYBRID_LAYOUT_FLAGS may have (see the module's docstring)
+FLAG_KEYS = DEGREES + ("sharding_stage", "sp", "batch", "global_batch", "accumulate", "layers", "heads", "seq_len",
+                       "experts")
+_PART = re.compile(r"(tp|mp|pp|vp|dp|sharding|sep|sp|ep)(\d+)")
+_STAGE = re.compile(r"s(\d+)")  # right after sharding's degree: its stage
 KINDS = ("trainer", "flags", "fleet")
+EXAMPLES = "tp2, pp2, pp4vp2, dp2, sharding2, sharding2s3, sp2, sep2, ep2, tp2pp2"
 
 
 class LayoutError(ValueError):
@@ -37,16 +66,24 @@ class LayoutError(ValueError):
 
 
 class Layout:
-    """One layout: ``name`` as given and its degrees ``{"mp", "pp", "dp", "sharding"}`` plus
-    ``sp`` (sequence parallel on)."""
+    """One layout: ``name`` as given, its ``degrees`` (every key of :data:`DEGREES`, 1 when not
+    named), ``sharding_stage`` (1, 2 or 3), ``sequence_parallel`` (sp) and ``implied_dp`` (the data
+    parallelism expert parallel brought, no ``dp`` being named)."""
 
     def __init__(self, name: str):
         self.name = name
-        self.degrees = {"mp": 1, "pp": 1, "dp": 1, "sharding": 1}
+        self.degrees = {key: 1 for key in DEGREES}
+        self.sharding_stage = 1
         self.sequence_parallel = False
+        self.implied_dp = False
+        self._parse(name)
+        self._check()
+
+    def _parse(self, name: str) -> None:
         pos = 0
-        for match in _PART.finditer(name):
-            if match.start() != pos:
+        while pos < len(name):
+            match = _PART.match(name, pos)
+            if match is None:
                 break
             kind, n = match.group(1), int(match.group(2))
             if n < 1:
@@ -55,15 +92,38 @@ class Layout:
                 kind, self.sequence_parallel = "mp", True
             self.degrees["mp" if kind == "tp" else kind] = n
             pos = match.end()
+            stage = _STAGE.match(name, pos) if kind == "sharding" else None
+            if stage is not None:
+                self.sharding_stage = int(stage.group(1))
+                pos = stage.end()
         if pos != len(name) or not name:
-            raise LayoutError(f"layout {name!r}: write degrees joined, e.g. tp2, pp2, dp2, sharding2, sp2, tp2pp2")
-        if self.sequence_parallel and self.degrees["mp"] < 2:
+            raise LayoutError(f"layout {name!r}: write degrees joined, e.g. {EXAMPLES}")
+
+    def _check(self) -> None:
+        d, name = self.degrees, self.name
+        if self.sequence_parallel and d["mp"] < 2:
             raise LayoutError(f"layout {name!r}: sequence parallel needs tensor parallel of 2 or more (sp2)")
+        if d["vp"] > 1 and d["pp"] < 2:
+            raise LayoutError(f"layout {name!r}: virtual stages are chunks of pipeline stages; name 2 or more "
+                              f"stages with them (pp2vp{d['vp']}, pp4vp{d['vp']})")
+        if self.sharding_stage not in (1, 2, 3):
+            raise LayoutError(f"layout {name!r}: sharding stage {self.sharding_stage} does not exist; write "
+                              "sharding2 (stage 1), sharding2s2 or sharding2s3")
+        if self.sharding_stage > 1 and d["sharding"] < 2:
+            raise LayoutError(f"layout {name!r}: group-sharded stage {self.sharding_stage} needs a sharding degree "
+                              f"of 2 or more (sharding2s{self.sharding_stage})")
+        if d["ep"] > 1:
+            if d["dp"] * d["sharding"] == 1:
+                d["dp"], self.implied_dp = d["ep"], True
+            elif (d["dp"] * d["sharding"]) % d["ep"]:
+                raise LayoutError(f"layout {name!r}: expert parallel {d['ep']} spreads the experts over the "
+                                  f"data-parallel replicas (dp {d['dp']} x sharding {d['sharding']} = "
+                                  f"{d['dp'] * d['sharding']}), which it must divide")
 
     @property
     def nprocs(self) -> int:
         d = self.degrees
-        return d["mp"] * d["pp"] * d["dp"] * d["sharding"]
+        return d["mp"] * d["pp"] * d["dp"] * d["sharding"] * d["sep"]
 
     @property
     def replicas(self) -> int:
@@ -74,11 +134,54 @@ class Layout:
         return f"Layout({self.name!r})"
 
 
+ONE_PROCESS = Layout("tp1")  # every degree 1
+
+
 def parse_layouts(text: str) -> list:
     layouts = [Layout(part.strip()) for part in text.split(",") if part.strip()]
     if not layouts:
         raise LayoutError("--layouts: give at least one layout, e.g. --layouts tp2,pp2,dp2")
     return layouts
+
+
+class ScriptFlags(dict):
+    """A script's ``PADDLE_HYBRID_LAYOUT_FLAGS`` with ``defaults``: the default its argument parser
+    gives each of those flags (``add_argument(flag, ..., default=<literal>)`` in its source), so a
+    layout can be checked against the script's model before any run."""
+
+    def __init__(self, declared: dict, defaults: dict):
+        super().__init__(declared)
+        self.defaults = defaults
+
+
+def script_flags(source: str) -> ScriptFlags | None:
+    """The script's ``PADDLE_HYBRID_LAYOUT_FLAGS`` (a literal), or None; unknown keys refused."""
+    declared = _declared_flags(source)
+    if declared is None:
+        return None
+    unknown = sorted(set(declared) - set(FLAG_KEYS))
+    if unknown:
+        raise LayoutError(f"PADDLE_HYBRID_LAYOUT_FLAGS: unknown keys {unknown}; the keys are {', '.join(FLAG_KEYS)}")
+    return ScriptFlags(declared, _argument_defaults(source, set(declared.values())))
+
+
+def _argument_defaults(source: str, flags: set) -> dict:
+    """``{flag: default}`` of every ``add_argument(flag, ..., default=<literal>)`` call in the source."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
+            continue
+        names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        for keyword in node.keywords:
+            if keyword.arg == "default":
+                try:
+                    value = ast.literal_eval(keyword.value)
+                except ValueError:
+                    continue  # not a literal: unknown until the script runs
+                for name in names:
+                    if name in flags:
+                        found[name] = value
+    return found
 
 
 def _value(args: list, flag: str, default=None):
@@ -115,43 +218,145 @@ def _share(batch, replicas: int, flag: str, layout: Layout) -> str:
 
 
 def layout_args(kind: str, args: list, layout: Layout | None, flags: dict | None = None) -> list:
-    """The script's arguments for ``layout`` (None: one process)."""
+    """The script's arguments for ``layout`` (None: one process); :class:`LayoutError` if the
+    script cannot take it."""
     if kind == "trainer":
-        args = _without(list(args), ["--logging_steps"]) + ["--logging_steps", "1"]
-        if layout is None:
-            return args
-        d = layout.degrees
-        given = _value(args, "--per_device_train_batch_size", TRAINER_DEFAULT_BATCH)
-        args = _without(args, ["--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--sharding",
-                               "--sharding_parallel_size", "--sequence_parallel", "--per_device_train_batch_size"])
-        batch = _share(given, layout.replicas, "--per_device_train_batch_size", layout)
-        extra = ["--per_device_train_batch_size", batch]
-        if d["mp"] > 1:
-            extra += ["--tensor_model_parallel_size", str(d["mp"])]
-        if d["pp"] > 1:
-            extra += ["--pipeline_model_parallel_size", str(d["pp"])]
-        if d["sharding"] > 1:
-            extra += ["--sharding", "stage1", "--sharding_parallel_size", str(d["sharding"])]
-        if layout.sequence_parallel:
-            extra += ["--sequence_parallel", "true"]
-        return args + extra
+        return _trainer_args(list(args), layout)
     if kind == "flags":
-        degrees = layout.degrees if layout is not None else {"mp": 1, "pp": 1, "dp": 1, "sharding": 1}
-        out = _without(list(args), [flags[k] for k in ("mp", "pp", "dp", "sharding", "batch") if k in flags])
-        out = [a for a in out if a != flags.get("sp")]
-        for key in ("mp", "pp", "dp", "sharding"):  # every degree stated: the script's defaults may be others
-            if key in flags:
-                out += [flags[key], str(degrees[key])]
-            elif degrees[key] > 1:
-                raise LayoutError(f"layout {layout.name}: the script's PADDLE_HYBRID_LAYOUT_FLAGS has no {key!r}")
-        if layout is not None and layout.sequence_parallel:
-            out.append(flags["sp"])
-        given = _value(list(args), flags["batch"]) if "batch" in flags else None
-        if given is not None:
-            out += [flags["batch"], _share(given, layout.replicas, flags["batch"], layout) if layout else given]
-        elif layout is not None and layout.replicas > 1 and "batch" in flags:
-            raise LayoutError(f"layout {layout.name}: give {flags['batch']} on the command line, so the verifier "
-                              f"can split it over the {layout.replicas} data-parallel replicas")
-        return out
+        return _flags_args(list(args), layout, flags)
+    if layout is not None:
+        _fleet_can_take(layout)
     return list(args)
 
+
+def _trainer_args(args: list, layout: Layout | None) -> list:
+    args = _without(args, ["--logging_steps"]) + ["--logging_steps", "1"]
+    if layout is None:
+        return args
+    d = layout.degrees
+    for key, why in (("vp", "PaddleFormers' TrainingArguments has no virtual-pipeline flag"),
+                     ("ep", "expert parallel through the Trainer was not tried")):
+        if d[key] > 1:
+            raise LayoutError(f"layout {layout.name}: a Trainer script cannot take {key}{d[key]}: {why}")
+    given = _value(args, "--per_device_train_batch_size", TRAINER_DEFAULT_BATCH)
+    args = _without(args, ["--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--sharding",
+                           "--sharding_parallel_size", "--sequence_parallel", "--per_device_train_batch_size",
+                           "--sep_parallel_size"])
+    batch = _share(given, layout.replicas, "--per_device_train_batch_size", layout)
+    extra = ["--per_device_train_batch_size", batch]
+    if d["mp"] > 1:
+        extra += ["--tensor_model_parallel_size", str(d["mp"])]
+    if d["pp"] > 1:
+        extra += ["--pipeline_model_parallel_size", str(d["pp"])]
+    if d["sharding"] > 1:
+        extra += ["--sharding", f"stage{layout.sharding_stage}", "--sharding_parallel_size", str(d["sharding"])]
+    if d["sep"] > 1:
+        extra += ["--sep_parallel_size", str(d["sep"])]
+    if layout.sequence_parallel:
+        extra += ["--sequence_parallel", "true"]
+    return args + extra
+
+
+def _fleet_can_take(layout: Layout) -> None:
+    d = layout.degrees
+    own = [(d["vp"] > 1, f"vp{d['vp']}", "virtual stages (its PipelineLayer's num_virtual_pipeline_stages)", "vp"),
+           (layout.sharding_stage > 1, f"sharding stage {layout.sharding_stage}",
+            "a group-sharded stage (its group_sharded_parallel call)", "sharding_stage"),
+           (d["ep"] > 1, f"ep{d['ep']}", "expert parallel (its MoE layer's group)", "ep")]
+    for needed, what, whose, key in own:
+        if needed:
+            raise LayoutError(f"layout {layout.name}: a plain fleet script takes only the degrees of fleet's strategy "
+                              f"(tp, pp, dp, sharding, sep); {what} is {whose}: declare how the script takes it in "
+                              f"PADDLE_HYBRID_LAYOUT_FLAGS (key {key!r}, docs/verify.md)")
+
+
+def _flags_args(args: list, layout: Layout | None, flags: dict) -> list:
+    target = layout or ONE_PROCESS
+    stated = {key: target.degrees[key] for key in DEGREES}
+    stated["sharding_stage"] = target.sharding_stage
+    out = _without(args, [flags[k] for k in (*DEGREES, "sharding_stage", "batch") if k in flags])
+    out = [a for a in out if a != flags.get("sp")]
+    for key in (*DEGREES, "sharding_stage"):  # every degree stated: the script's defaults may be others
+        if key in flags:
+            out += [flags[key], str(stated[key])]
+        elif stated[key] > 1 and not _taken_by_ep(key, target, flags):
+            raise LayoutError(f"layout {target.name}: the script's PADDLE_HYBRID_LAYOUT_FLAGS has no {key!r}: it "
+                              f"cannot take {_words(key, stated[key])}")
+    if target.sequence_parallel:
+        if "sp" not in flags:
+            raise LayoutError(f"layout {target.name}: the script's PADDLE_HYBRID_LAYOUT_FLAGS has no 'sp': it cannot "
+                              "take sequence parallel")
+        out.append(flags["sp"])
+    out += _batch_args(args, layout, flags)
+    if layout is not None:
+        _check_divides(args, layout, flags)
+    return out
+
+
+def _taken_by_ep(key: str, layout: Layout, flags: dict) -> bool:
+    """A script that runs expert parallel over all its data-parallel replicas (``examples/moe_ep.py``)
+    has no data-parallel flag of its own: its ``ep`` flag says both, when they are equal."""
+    return key == "dp" and layout.implied_dp and "ep" in flags
+
+
+def _words(key: str, n: int) -> str:
+    return {"mp": f"tensor parallel {n}", "pp": f"{n} pipeline stages", "vp": f"{n} virtual stages a stage",
+            "dp": f"data parallel {n}", "sharding": f"sharding {n}", "sep": f"segment parallel {n}",
+            "ep": f"expert parallel {n}", "sharding_stage": f"sharding stage {n}"}[key]
+
+
+def _batch_args(args: list, layout: Layout | None, flags: dict) -> list:
+    replicas = layout.replicas if layout is not None else 1
+    if "global_batch" in flags:  # the script divides it itself: it must split evenly
+        flag = flags["global_batch"]
+        given = _value(args, flag, getattr(flags, "defaults", {}).get(flag))
+        if layout is not None and given is not None:
+            _share(given, replicas, flag, layout)
+        return []
+    if "batch" not in flags:
+        return []
+    given = _value(args, flags["batch"], getattr(flags, "defaults", {}).get(flags["batch"]))
+    if given is not None:
+        return [flags["batch"], _share(given, replicas, flags["batch"], layout) if layout else str(given)]
+    if replicas > 1:
+        raise LayoutError(f"layout {layout.name}: give {flags['batch']} on the command line, so the verifier "
+                          f"can split it over the {replicas} data-parallel replicas")
+    return []
+
+
+def _size(args: list, flags: dict, key: str):
+    """The value of the script's flag for ``key`` (given, else its argument parser's default), or None."""
+    if key not in flags:
+        return None
+    value = _value(args, flags[key], getattr(flags, "defaults", {}).get(flags[key]))
+    return int(value) if value is not None else None
+
+
+def _check_divides(args: list, layout: Layout, flags: dict) -> None:
+    """The degrees against what the script's model is made of (the flags it declares for that)."""
+    d, name = layout.degrees, layout.name
+
+    def refuse(key, value, by, what):
+        raise LayoutError(f"layout {name}: {flags[key]} {value} does not divide by {what} ({by}); give "
+                          f"{flags[key]} a multiple of {by}, or another layout")
+
+    chunks = d["pp"] * d["vp"]
+    layers = _size(args, flags, "layers")
+    if layers is not None and chunks > 1 and layers % chunks:
+        refuse("layers", layers, chunks, f"pp {d['pp']} x vp {d['vp']} = {chunks} chunks: layers per virtual stage"
+               if d["vp"] > 1 else f"{d['pp']} pipeline stages: layers per stage")
+    heads = _size(args, flags, "heads")
+    if heads is not None and heads % d["mp"]:
+        refuse("heads", heads, d["mp"], "tensor parallel: heads per rank")
+    sequence = _size(args, flags, "seq_len")
+    if sequence is not None and sequence % d["sep"]:
+        refuse("seq_len", sequence, d["sep"], "segment parallel: the sequence's part per rank")
+    if sequence is not None and layout.sequence_parallel and (sequence // d["sep"]) % d["mp"]:
+        refuse("seq_len", sequence, d["sep"] * d["mp"], "sequence parallel over the tensor-parallel ranks")
+    experts = _size(args, flags, "experts")
+    if experts is not None and experts % d["ep"]:
+        refuse("experts", experts, d["ep"], "expert parallel: experts per rank")
+    microbatches = _size(args, flags, "accumulate")
+    if microbatches is not None and d["vp"] > 1 and (microbatches < d["pp"] or microbatches % d["pp"]):
+        refuse("accumulate", microbatches, d["pp"], f"the {d['pp']} stages of the interleaved schedule (vp): "
+               "microbatches a step")

@@ -5,8 +5,12 @@ naming the parameter, the group and the ranks (component ``replica_check``).
 What should be alike (Megatron checks the first of these with
 ``--check-weight-hash-across-dp-replicas-interval``; nothing checks the others):
 
-* within a **data-parallel** group and a **sharding** group (stage 1: each rank updates its
-  share, then the whole parameter is sent to every rank): every parameter;
+* within a **data-parallel**, a **sharding** and a **segment-parallel** group (sharding stage 1
+  and group-sharded stage 2: each rank updates its share, then the whole parameter is sent to
+  every rank): every parameter; with group-sharded stage 3 the parameters it slices are each
+  rank's own slice, not compared;
+* an **expert**'s parameters (expert parallel) only between the data-parallel ranks that hold the
+  same experts (the same place in their expert-parallel groups);
 * within a **tensor-parallel** group: every parameter that is not a slice (``is_distributed``
   unset): norms, biases of row-parallel layers, a replicated head.  One that differs there has
   a missing all-reduce (a partial gradient), or is sized per rank without being marked
@@ -23,9 +27,9 @@ the comparison is exact.  No collective, so a check cannot hang on a rank that i
 desynchronised; its cost is hashing the parameters and one store exchange (figures in
 ``docs/verify.md``).
 
-Where: the optimizer that ``fleet.distributed_optimizer`` returns (its ``step``), for the model
-``fleet.distributed_model`` last returned; PaddleFormers' Trainer goes through both in every
-layout with more than one process.  Off by default (``PADDLE_HYBRID_CHECK_REPLICAS=0``); on any
+Where: the optimizer that ``fleet.distributed_optimizer`` (or ``group_sharded_parallel``)
+returns (its ``step``), for the model it last returned; PaddleFormers' Trainer goes through both
+in every layout with more than one process.  Off by default (``PADDLE_HYBRID_CHECK_REPLICAS=0``); on any
 device when set: it reads parameters and the store only.
 """
 from __future__ import annotations
@@ -47,7 +51,8 @@ class ReplicaMismatchError(RuntimeError):
 _model = {"ref": None}
 
 
-KIND_WORDS = {"mp": "tensor-parallel", "dp": "data-parallel", "sharding": "sharding", "tied": "pipeline-tied"}
+KIND_WORDS = {"mp": "tensor-parallel", "dp": "data-parallel", "sharding": "sharding", "sep": "segment-parallel",
+              "tied": "pipeline-tied"}
 
 
 def _message(found: list, step: int) -> str:
@@ -62,6 +67,7 @@ def _message(found: list, step: int) -> str:
            "dp": "data-parallel replicas drifted apart: a gradient that was not all-reduced, or an update that "
                  "depends on the rank",
            "sharding": "sharding replicas drifted apart: a slice whose update was not sent to every rank",
+           "sep": "segment-parallel replicas drifted apart: a gradient that was not summed over the sep group",
            "tied": "a weight tied across pipeline stages (the embedding and the LM head) was updated differently "
                    "on its stages: its gradients were not summed across them"}[kind]
     more = f" ({len(found) - 1} more differences)" if len(found) > 1 else ""
@@ -97,36 +103,58 @@ def _make_distributed_model(original):
 
 
 def _make_distributed_optimizer(original, config):
-    every = config.check_replicas
-
     @functools.wraps(original)
     def distributed_optimizer(*args, **kwargs):
         optimizer = original(*args, **kwargs)
-        step = optimizer.step
-        count = [0]
-
-        @functools.wraps(step)
-        def checked_step(*a, **k):
-            result = step(*a, **k)
-            count[0] += 1
-            model = _model["ref"]() if _model["ref"] is not None else None
-            if model is not None and count[0] % every == 0:
-                check(model, count[0], config.seconds(), config.deadline_setting())
-            return result
-
-        optimizer.step = checked_step
+        _checked(optimizer, config)
         return optimizer
 
     return distributed_optimizer
 
 
+def _checked(optimizer, config) -> None:
+    """Every ``config.check_replicas``-th ``optimizer.step()`` ends with a check of the model
+    last wrapped."""
+    every, step, count = config.check_replicas, optimizer.step, [0]
+
+    @functools.wraps(step)
+    def checked_step(*a, **k):
+        result = step(*a, **k)
+        count[0] += 1
+        model = _model["ref"]() if _model["ref"] is not None else None
+        if model is not None and count[0] % every == 0:
+            check(model, count[0], config.seconds(), config.deadline_setting())
+        return result
+
+    optimizer.step = checked_step
+
+
+def _make_group_sharded_parallel(original, config):
+    """Group-sharded stages 2 and 3 wrap the model and the optimizer themselves."""
+    @functools.wraps(original)
+    def group_sharded_parallel(model, optimizer, *args, **kwargs):
+        model, optimizer, scaler = original(model, optimizer, *args, **kwargs)
+        _model["ref"] = weakref.ref(model)
+        _checked(optimizer, config)
+        return model, optimizer, scaler
+
+    return group_sharded_parallel
+
+
 def apply(config, patcher) -> str:
+    import paddle.distributed.sharding as sharding
     from paddle.distributed import fleet
+    from paddle.distributed.sharding import group_sharded
 
     model_fn = patcher.require(fleet, "distributed_model", "paddle.distributed.fleet")
     optimizer_fn = patcher.require(fleet, "distributed_optimizer", "paddle.distributed.fleet")
+    sharded_fn = patcher.require(group_sharded, "group_sharded_parallel", "paddle.distributed.sharding.group_sharded")
     patcher.set(fleet, "distributed_model", _make_distributed_model(model_fn))
     patcher.set(fleet, "distributed_optimizer", _make_distributed_optimizer(optimizer_fn, config))
+    wrapped = _make_group_sharded_parallel(sharded_fn, config)
+    patcher.set(group_sharded, "group_sharded_parallel", wrapped)
+    if getattr(sharding, "group_sharded_parallel", None) is sharded_fn:  # where scripts import it from
+        patcher.set(sharding, "group_sharded_parallel", wrapped)
     return f"every {config.check_replicas} optimizer steps"
 
 

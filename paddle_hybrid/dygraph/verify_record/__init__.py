@@ -47,8 +47,9 @@ import os
 import zlib
 
 from ...common import logical_params
-from ...common.replicas import describe_rank
+from ...common.replicas import describe_rank, group_sharded, inner_layer, sliced_by_stage3
 from ...registry.component import Component
+from .names import one_process_names, places
 
 __all__ = ["COMPONENT", "apply", "Recorder", "VARIANT"]
 
@@ -106,6 +107,8 @@ class Recorder:
         the reference run's allowance."""
         if self.steps != 0 and self.allowance is None:
             return
+        if self.steps == 0 and "start" not in self.replicas:
+            self.snapshot("start")  # the model every layout must start from, before its first update
         pairs = params_grads["params"] if isinstance(params_grads, dict) else params_grads
         for param, grad in pairs:
             if grad is None:
@@ -119,56 +122,62 @@ class Recorder:
     # -- parameters ------------------------------------------------------------------------------
 
     def _writer(self) -> bool:
-        """One rank per pipeline stage writes whole values: the first of its data and sharding
-        replicas, tensor-parallel rank 0."""
-        from paddle.distributed import fleet
-
-        try:
-            hcg = fleet.get_hybrid_communicate_group()
-        except Exception:  # noqa: BLE001
-            return True
-        if hcg is None:
-            return True
-        return (hcg.get_model_parallel_rank(), hcg.get_data_parallel_rank(), hcg.get_sharding_parallel_rank()) \
-            == (0, 0, 0)
+        """One rank per pipeline stage writes whole values: the first of its data, sharding and
+        segment-parallel replicas, tensor-parallel rank 0.  (The others write their experts only.)"""
+        c = coordinates()
+        return (c["mp"], c["dp"], c["sharding"], c["sep"]) == (0, 0, 0, 0)
 
     def snapshot(self, label: str) -> None:
-        """Whole values of every parameter (a collective over the tensor-parallel group), and this
-        rank's replica description."""
+        """Whole values of every parameter (a collective over the tensor-parallel group, and over
+        the group-sharded group for stage 3's slices), and this rank's replica description;
+        ``label`` is "start" (before the first update), "step1" or "end"."""
         import numpy as np
 
         if self.model is None:
             return
         mp = logical_params.groups().get("mp", (None, None))[0]
-        config = getattr(logical_params.unwrap(self.model), "config", None)
+        config = getattr(inner_layer(self.model), "config", None)
+        named = one_process_names(self.model)
+        slices = sliced_by_stage3(self.model)
+        writer = self._writer()
         values, shapes = {}, {}
-        for name, param in logical_params.named_parameters(self.model):
-            try:
-                for variant, value in logical_params.whole(param, mp, name, config).items():
-                    values[name + (VARIANT + variant if variant else "")] = value
-            except logical_params.NoSplitAxisError:
-                values[name] = logical_params._array(param)
+        for name, param in named:
+            if param.name in slices:
+                value = {"": _stage3_whole(param, group_sharded(self.model)[1])}
+            else:
+                try:
+                    value = logical_params.whole(param, mp, name, config)
+                except logical_params.NoSplitAxisError:
+                    value = {"": logical_params._array(param)}
+            if writer or _own(param):
+                for variant, array in value.items():
+                    values[name + (VARIANT + variant if variant else "")] = array
             shapes[name] = {"local": list(param.shape), "split": logical_params.is_split(param)}
-        self.replicas[label] = describe_rank(self.model)
+        self.replicas[label] = describe_rank(self.model, named)
         self.replicas[label]["shapes"] = shapes
-        self.replicas[label]["aliases"] = logical_params.aliases(self.model)
-        if self._writer():
+        self.replicas[label]["aliases"] = logical_params.aliases(inner_layer(self.model))
+        self.replicas[label]["places"] = places(self.model, coordinates()["pp"])
+        if values:
             np.savez(os.path.join(self.directory, f"params.rank{self.rank}.{label}.npz"), **values)
         if label == "step1":
-            self._write_gradients(mp, config)
-        if self.allowance is not None:
-            arrays = self.allowance.arrays(logical_params.named_parameters(self.model))
-            np.savez(os.path.join(self.directory, f"allowance.rank{self.rank}.{label}.npz"), **arrays)
+            self._write_gradients(mp, config, named)
+        if self.allowance is not None and label != "start":
+            np.savez(os.path.join(self.directory, f"allowance.rank{self.rank}.{label}.npz"),
+                     **self.allowance.arrays(named))
 
-    def _write_gradients(self, mp, config) -> None:
+    def _write_gradients(self, mp, config, named) -> None:
         """Step 1's gradients, this rank's slices as recorded (every rank writes its own: with
         sharding each rank applied only its share), with what joins them into whole ones: the
-        split axis, this rank's place in the tensor-parallel group, the fused parts."""
+        split axis, this rank's place in the tensor-parallel group, the fused parts; for a
+        stage-3 slice its place in the group-sharded group and the parameter's shape."""
         import numpy as np
 
         arrays = {}
-        for name, param in logical_params.named_parameters(self.model):
-            seen = self.gradients.pop(id(param), None)
+        slices = sliced_by_stage3(self.model)
+        for name, param in named:
+            # stage 3 hands the optimizer a slice parameter of its own (``fw_storage``) for a sliced one
+            holder = getattr(param, "fw_storage", None) if param.name in slices else param
+            seen = self.gradients.pop(id(holder), None)
             if seen is None:
                 continue
             split = logical_params.is_split(param) and mp is not None and mp.nranks > 1
@@ -179,6 +188,10 @@ class Recorder:
             self.gradient_meta[name] = {"axis": int(axis) if split else None, "mp_rank": mp.rank if split else 0,
                                         "mp_size": mp.nranks if split else 1,
                                         "parts": logical_params.fused_parts(name, config) if split else None}
+            if param.name in slices:
+                group = group_sharded(self.model)[1]
+                self.gradient_meta[name]["shard"] = {"rank": group.rank, "size": group.nranks,
+                                                     "shape": list(param.shape)}
         self.gradients.clear()
         if arrays:
             np.savez(os.path.join(self.directory, f"grads.rank{self.rank}.npz"), **arrays)
@@ -195,6 +208,24 @@ class Recorder:
                   "replicas": self.replicas, "layout": self.plan.get("layout"), "gradients": self.gradient_meta}
         with open(os.path.join(self.directory, f"rank{self.rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+def _own(param) -> bool:
+    """A parameter this rank holds and no writer does: an expert of its own (expert parallel)."""
+    return bool(getattr(param, "expert", False) or getattr(param, "no_sync", False))
+
+
+def _stage3_whole(param, group):
+    """The whole value of a parameter group-sharded stage 3 keeps as one slice a rank (between
+    steps in ``param.fw_storage``; the slices in rank order, padded at the end): a collective
+    over the group."""
+    import numpy as np
+    import paddle.distributed as dist
+
+    parts = []
+    dist.all_gather(parts, param.fw_storage, group=group)
+    flat = np.concatenate([logical_params._array(p).reshape(-1) for p in parts])
+    return flat[:int(np.prod(param.shape))].reshape(param.shape)
 
 
 class RoundingAllowance:
@@ -255,9 +286,10 @@ def coordinates() -> dict:
     except Exception:  # noqa: BLE001
         hcg = None
     if hcg is None:
-        return {"mp": 0, "dp": 0, "sharding": 0, "pp": 0, "pp_size": 1, "mp_size": 1}
+        return {"mp": 0, "dp": 0, "sharding": 0, "sep": 0, "pp": 0, "pp_size": 1, "mp_size": 1}
+    sep = hcg.get_sep_parallel_rank() if hasattr(hcg, "get_sep_parallel_rank") else 0
     return {"mp": hcg.get_model_parallel_rank(), "dp": hcg.get_data_parallel_rank(),
-            "sharding": hcg.get_sharding_parallel_rank(), "pp": hcg.get_stage_id(),
+            "sharding": hcg.get_sharding_parallel_rank(), "sep": sep, "pp": hcg.get_stage_id(),
             "pp_size": hcg.get_pipe_parallel_world_size(), "mp_size": hcg.get_model_parallel_world_size()}
 
 
@@ -309,7 +341,8 @@ def _make_fleet_init(original, plan):
             strategy = fleet.DistributedStrategy()
             kwargs["strategy"] = strategy
         configs = dict(strategy.hybrid_configs)
-        names = {"mp": "mp_degree", "pp": "pp_degree", "dp": "dp_degree", "sharding": "sharding_degree"}
+        names = {"mp": "mp_degree", "pp": "pp_degree", "dp": "dp_degree", "sharding": "sharding_degree",
+                 "sep": "sep_degree"}
         for kind, key in names.items():
             configs[key] = int(plan["degrees"].get(kind, 1))
         strategy.hybrid_configs = {k: v for k, v in configs.items() if k in names.values()}
@@ -332,24 +365,46 @@ def _make_distributed_model(original, config):
     return distributed_model
 
 
+def _record_steps(optimizer, config) -> None:
+    """Each ``optimizer.step()`` ends a step of the record."""
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def recorded_step(*a, **k):
+        result = step(*a, **k)
+        recorder = _recorder(config)
+        if not recorder.trainer:
+            recorder.step_done()
+        return result
+
+    optimizer.step = recorded_step
+
+
 def _make_distributed_optimizer(original, config):
     @functools.wraps(original)
     def distributed_optimizer(*args, **kwargs):
         optimizer = original(*args, **kwargs)
-        step = optimizer.step
-
-        @functools.wraps(step)
-        def recorded_step(*a, **k):
-            result = step(*a, **k)
-            recorder = _recorder(config)
-            if not recorder.trainer:
-                recorder.step_done()
-            return result
-
-        optimizer.step = recorded_step
+        _record_steps(optimizer, config)
         return optimizer
 
     return distributed_optimizer
+
+
+def _make_group_sharded_parallel(original, config):
+    """``group_sharded_parallel`` (stages 2 and 3) is the model's and the optimizer's wrapper
+    instead of ``fleet.distributed_model`` / ``distributed_optimizer``."""
+    @functools.wraps(original)
+    def group_sharded_parallel(model, optimizer, *args, **kwargs):
+        recorder = _recorder(config)
+        if recorder.plan.get("seeded_init"):
+            seeded_init(model)
+        model, optimizer, scaler = original(model, optimizer, *args, **kwargs)
+        if not recorder.trainer:
+            recorder.model = model
+            _record_steps(optimizer, config)
+        return model, optimizer, scaler
+
+    return group_sharded_parallel
 
 
 def _make_optimization_pass(original, config):
@@ -475,8 +530,22 @@ def apply(config, patcher) -> str:
     one_process = getattr(pipeline_parallel, "NoPipelineParallel", None)
     for cls in _pipeline_classes(PipelineParallel) + (_pipeline_classes(one_process) if one_process else []):
         patcher.set(cls, "train_batch", _make_train_batch(cls.__dict__["train_batch"], config))
+    _hook_group_sharded(config, patcher)
     _hook_trainer(config, patcher)
     return f"recording layout {plan.get('layout')} into {config.verify_dir}"
+
+
+def _hook_group_sharded(config, patcher) -> None:
+    """``paddle.distributed.sharding.group_sharded_parallel``, where scripts import it from (the
+    package and its module)."""
+    import paddle.distributed.sharding as sharding
+    from paddle.distributed.sharding import group_sharded
+
+    original = patcher.require(group_sharded, "group_sharded_parallel", "paddle.distributed.sharding.group_sharded")
+    wrapped = _make_group_sharded_parallel(original, config)
+    patcher.set(group_sharded, "group_sharded_parallel", wrapped)
+    if getattr(sharding, "group_sharded_parallel", None) is original:
+        patcher.set(sharding, "group_sharded_parallel", wrapped)
 
 
 COMPONENT = Component("verify_record", ("3.2.", "3.3."), "verify_dir", apply)
