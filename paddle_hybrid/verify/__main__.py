@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m paddle_hybrid.verify",
                                 description="Train SCRIPT in one process and in each layout on CPU; say whether "
                                             "each layout gives one process's losses and parameters.")
-    p.add_argument("--layouts", required=True, help="comma-separated: tp2, pp2, pp4vp2, dp2, sharding2, sharding2s3, sp2, sep2, ep2, tp2pp2, ...")
+    p.add_argument("--layouts", required=True,
+                   help="comma-separated: tp2, pp2, pp4vp2, dp2, sharding2, sharding2s3, sp2, sep2, ep2, tp2pp2, ...")
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="relative tolerance of losses and parameters")
     p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="absolute tolerance of losses and parameters")
     p.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL,
