@@ -3,12 +3,18 @@ sequence and data parallel).
 
 On CPU it runs over gloo (``import paddle_hybrid`` makes fleet's hybrid parallel work
 there); on GPUs it runs as usual with NCCL.  Launch it with
-``python -m paddle.distributed.launch`` and as many processes as ``--pp * --mp * --dp``:
+``python -m paddle.distributed.launch`` and as many processes as
+``--pp * --mp * --dp * --sharding * --sep``:
 
     python -m paddle.distributed.launch --nproc_per_node 2 examples/gpt_pp.py
     python -m paddle.distributed.launch --nproc_per_node 4 examples/gpt_pp.py --pp 2 --dp 2
     python -m paddle.distributed.launch --nproc_per_node 3 examples/gpt_pp.py --pp 3 --vp 2 --accumulate-steps 6
     python -m paddle.distributed.launch --nproc_per_node 8 examples/gpt_pp.py --pp 2 --mp 2 --dp 2 --sequence-parallel
+    python -m paddle.distributed.launch --nproc_per_node 2 examples/gpt_pp.py --pp 1 --sharding 2 --sharding-stage 3
+    python -m paddle.distributed.launch --nproc_per_node 2 examples/gpt_pp.py --pp 1 --sep 2
+
+With ``--sep`` (segment parallel) each rank holds one part of every sequence and attention
+gathers the whole sequence's keys and values (:class:`SegmentParallel`).
 
 The model: token embedding shared between the first and the last stage
 (``SharedLayerDesc``, tied LM head), ``--layers`` pre-LayerNorm transformer blocks,

@@ -55,6 +55,8 @@ def test_feature_flags(gpt):
     (["--steps", "0"], 2, "--steps must be >= 1"),
     (["--dropout", "1.5"], 2, "--dropout"),
     (["--bucket-mb", "0"], 2, "--bucket-mb"),
+    (["--pp", "1", "--sep", "2", "--seq-len", "33"], 2, "multiple of --sep"),
+    (["--pp", "2", "--sharding", "2", "--sharding-stage", "3"], 4, "--pp 1 --mp 1 --dp 1 --sep 1"),
 ])
 def test_bad_arguments_name_the_flag(gpt, argv, world, message):
     with pytest.raises(gpt.ArgError, match=message.replace("+", r"\+")):
@@ -65,7 +67,7 @@ def test_help_lists_every_feature_flag():
     out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60).stdout
     for flag in ("--pp", "--vp", "--dp", "--micro-batch-size", "--accumulate-steps", "--seq-len", "--hidden",
                  "--layers", "--steps", "--fuse-allreduce", "--bucket-mb", "--cudagraph", "--seed", "--mp",
-                 "--sequence-parallel", "--recompute"):
+                 "--sequence-parallel", "--recompute", "--sep", "--sharding-stage", "--segment-size"):
         assert flag in out
 
 

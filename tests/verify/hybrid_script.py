@@ -171,7 +171,8 @@ def main():
     hcg = fleet.get_hybrid_communicate_group()
     paddle.seed(1)
     model, loss_fn = build(args, hcg)
-    optimizer = paddle.optimizer.AdamW(0.01, parameters=model.parameters(), grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    optimizer = paddle.optimizer.AdamW(0.01, parameters=model.parameters(),
+                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
     if grouped:
         from paddle.distributed.sharding import group_sharded_parallel
 
