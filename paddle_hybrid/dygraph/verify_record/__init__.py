@@ -1,6 +1,7 @@
 """What a run made by ``python -m paddle_hybrid.verify`` records: every step's loss, step 1's
 gradients as the optimizer applied them, and every parameter at its whole (one-process) shape and
-name after step 1 and at the end, with what :mod:`paddle_hybrid.common.replicas` needs to tell
+name (:mod:`.names`: virtual chunks, expert shards) before the first update, after step 1 and at
+the end, with what :mod:`paddle_hybrid.common.replicas` needs to tell
 which replicas differ (component ``verify_record``, on when ``PluginConfig.verify_dir`` is set:
 ``PADDLE_HYBRID_VERIFY_DIR``).
 
@@ -22,11 +23,12 @@ Where the numbers come from:
 * a **Trainer** (PaddleFormers): a callback added to every ``Trainer`` (through an import hook on
   ``paddleformers.trainer.trainer``): the loss it logs (the verifier asks for
   ``--logging_steps 1``), the model at step 1 and at the end of training;
-* a **fleet script**: ``fleet.distributed_optimizer``'s optimizer (its ``step`` counts steps), the
-  loss of ``PipelineParallel.train_batch`` or, without a pipeline, the sum of the scalars
-  ``backward()`` was called on in that step (a script that accumulates scales each micro-batch's
-  loss by 1 / micro-batches: the sum is the step's mean loss); the model ``fleet.distributed_model`` returned; the
-  end at the process's exit.
+* a **fleet script**: ``fleet.distributed_optimizer``'s optimizer (or ``group_sharded_parallel``'s:
+  its ``step`` counts steps), the loss of ``PipelineParallel.train_batch`` or, without a pipeline,
+  the sum of the scalars ``backward()`` was called on in that step (a script that accumulates
+  scales each micro-batch's loss by 1 / micro-batches: the sum is the step's mean loss); the model
+  ``fleet.distributed_model`` (or ``group_sharded_parallel``) returned; the start at the first
+  optimizer pass (before any update), the end at the process's exit.
 
 * **gradients**: ``Optimizer._create_optimization_pass``, where every Paddle optimizer (the
   innermost, under fleet's and sharding's wrappers) hands over its (parameter, gradient) pairs
@@ -34,9 +36,11 @@ Where the numbers come from:
 
 Written into the directory, per rank: ``rank<R>.json`` (its coordinates, its losses, its replica
 descriptions, how its gradient slices join), ``grads.rank<R>.npz`` (step 1's gradients of the
-parameters this rank updated, its slices) and, from one rank of each pipeline stage
-(tensor-parallel rank 0 of the first data and sharding replica), ``params.rank<R>.<label>.npz``
-with whole values; the reference run also ``allowance.rank<R>.<label>.npz``.
+parameters this rank updated, its slices; a group-sharded stage-3 slice with its place in the
+group) and, from one rank of each pipeline stage (tensor-parallel rank 0 of the first data,
+sharding and sep replica; every other rank its own experts), ``params.rank<R>.<label>.npz`` with
+whole values (``label`` start, step1, end); the reference run also
+``allowance.rank<R>.<label>.npz`` (step1, end).
 """
 from __future__ import annotations
 
