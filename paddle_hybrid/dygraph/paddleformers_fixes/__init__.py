@@ -33,6 +33,9 @@ fix                      what it mends (details in the module's docstring)
 :mod:`.sink_attention`   ``sdpa`` attention with sinks (GPT-OSS) is flash attention
                          only: on CPU it stopped on a CUDA-only flag; now computed
                          with CPU operators, as the eager implementation does
+:mod:`.segment_parallel`  ``--sep_parallel_size`` > 1: PaddleFormers' models run each
+                         sep rank's part of the sequence alone (no attention over the
+                         sep group); trains other gradients on every device (refused)
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the

@@ -1,13 +1,14 @@
 """What is checked, or carried into the model, before PaddleFormers' ``Trainer`` builds anything:
 one wrapper of ``Trainer.__init__`` for :mod:`.cpu_precision` (a half-precision flag on CPU stops
-here), :mod:`.auto_parallel_layouts` (auto-parallel tensor parallelism on CPU stops here) and
-:mod:`.recompute_flags` (the recompute flags written into the model's config).
+here), :mod:`.auto_parallel_layouts` (auto-parallel tensor parallelism on CPU stops here),
+:mod:`.segment_parallel` (segment parallelism with a PaddleFormers model stops here, on every
+device) and :mod:`.recompute_flags` (the recompute flags written into the model's config).
 """
 from __future__ import annotations
 
 import functools
 
-from . import auto_parallel_layouts, cpu_precision, recompute_flags
+from . import auto_parallel_layouts, cpu_precision, recompute_flags, segment_parallel
 
 __all__ = ["fix"]
 
@@ -20,6 +21,7 @@ def _make_init(original):
         if training_args is not None:
             cpu_precision.check(training_args)
             auto_parallel_layouts.check(training_args)
+            segment_parallel.check(training_args, model)
             if model is not None:
                 recompute_flags.carry(training_args, model)
         original(self, *args, **kwargs)
