@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["script_flags", "kind_of", "flag_value"]
+__all__ = ["script_flags", "kind_of", "flag_value", "argument_defaults", "script_value"]
 
 
 def script_flags(source: str) -> dict | None:
@@ -22,6 +22,36 @@ def script_flags(source: str) -> dict | None:
                                                 for t in node.targets):
             return ast.literal_eval(node.value)
     return None
+
+
+def argument_defaults(source: str, flags) -> dict:
+    """``{flag: default}`` of every ``add_argument(flag, ..., default=<literal>)`` call in the source, for
+    the flags asked: a tool checks a script's sizes against its own defaults without running it."""
+    wanted, found = set(flags), {}
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
+            continue
+        names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        for keyword in node.keywords:
+            if keyword.arg == "default":
+                try:
+                    value = ast.literal_eval(keyword.value)
+                except ValueError:
+                    continue  # not a literal: unknown until the script runs
+                for name in names:
+                    if name in wanted:
+                        found[name] = value
+    return found
+
+
+def script_value(args: list, flags: dict | None, key: str, defaults: dict | None = None):
+    """The value the script takes for ``key`` of its ``PADDLE_HYBRID_LAYOUT_FLAGS``: given in ``args``, else
+    its parser's default (``defaults``: :func:`argument_defaults`), else None (no such flag, or no literal
+    default)."""
+    flag = (flags or {}).get(key)
+    if flag is None:
+        return None
+    return flag_value(args, flag, (defaults or {}).get(flag))
 
 
 def kind_of(source: str) -> str:

@@ -4,6 +4,8 @@ From the command line of the script (its degree flags, :mod:`paddle_hybrid.commo
 for a PaddleFormers Trainer script, the model's ``config.json`` (``--model_name_or_path``):
 
 - the world (``--nnodes x --nproc_per_node``) is not the product of the degrees;
+- expert parallelism does not divide the data-parallel replicas or the experts (a script's
+  ``experts`` flag);
 - tensor parallelism does not divide the attention heads, the key/value heads (fewer kv heads than
   tensor-parallel ranks: each rank needs one whole), the vocabulary, or (sequence parallel) the
   sequence;
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..common.script_kind import flag_value
+from ..common.script_kind import flag_value, script_value
 
 __all__ = ["ConfigError", "degrees_of", "check", "microbatches_of", "with_microbatches", "with_one_chunk"]
 
@@ -45,25 +47,36 @@ TRAINER_FLAGS = {"mp": "--tensor_model_parallel_size", "pp": "--pipeline_model_p
                  "sharding": "--sharding_parallel_size", "sep": "--sep_parallel_size"}
 
 
-def degrees_of(kind: str, args: list, flags: dict | None, world_size: int) -> dict:
-    """{"mp", "pp", "dp", "sharding", "sep", "vp"} as the script will take them (data parallel: what the
-    world leaves, for a Trainer)."""
-    degrees = {"mp": 1, "pp": 1, "dp": 1, "sharding": 1, "sep": 1, "vp": 1}
+def degrees_of(kind: str, args: list, flags: dict | None, world_size: int, defaults: dict | None = None) -> dict:
+    """{"mp", "pp", "dp", "sharding", "sep", "vp", "ep"} as the script will take them (data parallel: what the
+    world leaves, for a Trainer and a script that declares no data-parallel flag; expert parallel: over the
+    data-parallel replicas, all of them unless given)."""
+    degrees = {"mp": 1, "pp": 1, "dp": 1, "sharding": 1, "sep": 1, "vp": 1, "ep": 1}
     if kind == "flags":
+        flags = flags or {}
         for key in degrees:
-            if key in (flags or {}):
-                degrees[key] = int(flag_value(args, flags[key], 1))
-        if "vp" not in (flags or {}):
+            value = script_value(args, flags, key, defaults)
+            degrees[key] = int(value) if value is not None else 1
+        if "vp" not in flags:
             degrees["vp"] = int(flag_value(args, "--vp", 1))
+        if "dp" not in flags:
+            degrees["dp"] = _remainder(degrees, world_size)
+        if "ep" in flags and script_value(args, flags, "ep", defaults) is None:
+            degrees["ep"] = degrees["dp"] * degrees["sharding"]
         return degrees
     if kind == "trainer":
         for key, flag in TRAINER_FLAGS.items():
             degrees[key] = int(flag_value(args, flag, 1))
         degrees["vp"] = int((trainer_config(args) or {}).get(TRAINER_VP, 1) or 1)
-        others = degrees["mp"] * degrees["pp"] * degrees["sharding"] * degrees["sep"]
-        degrees["dp"] = world_size // others if others and world_size % others == 0 else 0
+        degrees["dp"] = _remainder(degrees, world_size)
         return degrees
     return degrees
+
+
+def _remainder(degrees: dict, world_size: int) -> int:
+    """Data parallelism as what the world leaves the other degrees (0: they do not divide it)."""
+    others = degrees["mp"] * degrees["pp"] * degrees["sharding"] * degrees["sep"]
+    return world_size // others if others and world_size % others == 0 else 0
 
 
 def _microbatch_flag(kind: str, flags: dict | None):
@@ -126,12 +139,14 @@ def _divides(errors, field, n, by, what, fix):
         errors.append(ConfigError(field, f"{field} = {n} does not divide by {what} {by}: {fix}"))
 
 
-def check(kind: str, args: list, flags: dict | None, world_size: int, nnodes: int, nproc: int) -> tuple:
-    """(degrees, [ConfigError]) for the script's command line in a world of ``nnodes x nproc``."""
+def check(kind: str, args: list, flags: dict | None, world_size: int, nnodes: int, nproc: int,
+          defaults: dict | None = None) -> tuple:
+    """(degrees, [ConfigError]) for the script's command line in a world of ``nnodes x nproc``; ``defaults``:
+    the script's parser defaults of its declared flags (:func:`~paddle_hybrid.common.script_kind.argument_defaults`)."""
     errors = []
-    degrees = degrees_of(kind, args, flags, world_size)
+    degrees = degrees_of(kind, args, flags, world_size, defaults)
     product = degrees["mp"] * degrees["pp"] * degrees["dp"] * degrees["sharding"] * degrees["sep"]
-    if kind == "trainer" and degrees["dp"] == 0:  # data parallelism is what the world leaves: it must divide
+    if degrees["dp"] == 0:  # data parallelism is what the world leaves: it must divide
         others = degrees["mp"] * degrees["pp"] * degrees["sharding"] * degrees["sep"]
         errors.append(ConfigError(
             "world", f"--nnodes {nnodes} x --nproc_per_node {nproc} = {world_size} ranks, but the degrees (tp "
@@ -145,8 +160,43 @@ def check(kind: str, args: list, flags: dict | None, world_size: int, nnodes: in
             f"{degrees['sep']}) make {product}: change the world or the degrees so they agree"))
     if kind == "trainer":
         errors += _trainer_model(args, degrees)
+    if kind == "flags":
+        errors += _flags_model(args, flags, defaults, degrees)
     errors += _interleaved(degrees, microbatches_of(kind, args, flags), kind)
     return degrees, errors
+
+
+def _flags_model(args: list, flags: dict, defaults: dict | None, degrees: dict) -> list:
+    """The sizes a script declares in its ``PADDLE_HYBRID_LAYOUT_FLAGS`` (``heads``, ``layers``, ``seq_len``,
+    ``experts``), as given or by its parser's default, against the degrees."""
+    def size(key):
+        value = script_value(args, flags, key, defaults)
+        return int(value) if value is not None else None
+
+    errors = []
+    tp, pp, vp, ep, sep = degrees["mp"], degrees["pp"], degrees["vp"], degrees["ep"], degrees["sep"]
+    heads, layers, sequence, experts = size("heads"), size("layers"), size("seq_len"), size("experts")
+    if heads is not None:
+        _divides(errors, flags["heads"], heads, tp, "tensor parallelism", f"a tensor-parallel degree dividing {heads}")
+    if layers is not None and pp * vp > 1:
+        if layers < pp * vp:
+            errors.append(ConfigError(flags["layers"], f"{flags['layers']} = {layers} for {pp} stages x {vp} virtual "
+                                      f"stages: a chunk would have no layer; fewer stages"))
+        else:
+            _divides(errors, flags["layers"], layers, pp * vp, f"{pp} stages x {vp} virtual stages =",
+                     "a layer count or degrees that divide evenly (the largest stage decides memory and time)")
+    if sequence is not None:
+        _divides(errors, flags["seq_len"], sequence, sep, "segment parallelism", "a sequence length that is a multiple")
+        if "sp" in flags and flags["sp"] in args:
+            _divides(errors, flags["seq_len"], sequence, tp, "tensor parallelism (sequence parallel)",
+                     "a sequence length that is a multiple of it")
+    if ep > 1 and (degrees["dp"] * degrees["sharding"]) % ep:
+        errors.append(ConfigError("ep", f"expert parallelism {ep} over {degrees['dp'] * degrees['sharding']} "
+                                        "data-parallel replicas: it must divide them; another degree"))
+    if experts is not None:
+        _divides(errors, flags["experts"], experts, ep, "expert parallelism", f"an expert-parallel degree dividing "
+                 f"{experts}")
+    return errors
 
 
 def _interleaved(degrees: dict, microbatches: int | None, kind: str) -> list:

@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from ..common.script_kind import kind_of, script_flags
+from ..common.script_kind import argument_defaults, kind_of, script_flags
 from . import checks, classes, gpu_estimate, report, runner
 
 __all__ = ["main", "build_parser"]
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
 
     # 1. checks (on the script's own arguments)
     flags = script_flags(source)
-    degrees, errors = checks.check(kind, args.args, flags, world_size, args.nnodes, args.nproc_per_node)
+    defaults = argument_defaults(source, flags.values()) if flags else None
+    degrees, errors = checks.check(kind, args.args, flags, world_size, args.nnodes, args.nproc_per_node, defaults)
     schedule_microbatches = checks.microbatches_of(kind, args.args, flags)
     run_args = list(args.args)
     if args.measure_microbatches is not None:

@@ -47,10 +47,12 @@ at exit to the world file's ``out`` directory.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import socket
 
+from ..common import exchange
 from ..common.tensor_bytes import nbytes
 from .collectives import DoneTask
 
@@ -419,6 +421,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _ReducerGroup:
+    """What ``paddle.DataParallel.init_reducer`` reads of its group: ``process_group``."""
+
+    def __init__(self, process_group):
+        self.process_group = process_group
+
+
+def _make_init_reducer(stock, get_store):
+    """``paddle.DataParallel``'s C++ reducer takes a C++ process group: in a fake world it gets a real gloo
+    group of this rank alone (its all-reduce leaves this rank's gradient, as the fake world's does, and
+    waits on no peer).  Its calls are made in C++, so neither a dry run nor a real run's probe logs them."""
+    lone = {}
+
+    @functools.wraps(stock)
+    def init_reducer(self, *args, **kwargs):
+        from paddle.base import core
+
+        if "pg" not in lone:
+            lone["pg"] = core.ProcessGroupGloo.create(get_store(), 0, 1, _LONE_GROUP_ID)
+        group = self.group
+        self.group = _ReducerGroup(lone["pg"])
+        try:
+            return stock(self, *args, **kwargs)
+        finally:
+            self.group = group
+
+    return init_reducer
+
+
+_LONE_GROUP_ID = 2**30  # far from the ids Paddle gives its groups
+
+
 def _make_store(timeout: float):
     from paddle.base import core
 
@@ -458,6 +492,13 @@ def apply(config, patcher) -> None:
         return store["store"]
 
     patcher.set(core, "create_or_get_global_tcp_store", create_or_get_global_tcp_store)
+    exchange.answer_for_every_rank(True)
+    patcher.on_revert(lambda: exchange.answer_for_every_rank(False), "the plugin's exchanges answered alone")
+    import paddle
+
+    patcher.set(paddle.DataParallel, "init_reducer",
+                _make_init_reducer(patcher.require(paddle.DataParallel, "init_reducer", "paddle.DataParallel"),
+                                   create_or_get_global_tcp_store))
     impl = _make_new_pg_impl(collective._new_process_group_impl)
     patcher.set(collective, "_new_process_group_impl", impl)
     patcher.set(parallel, "_new_process_group_impl", impl)

@@ -41,10 +41,9 @@ A layout the script cannot take is refused before any run (:func:`layout_args` r
 """
 from __future__ import annotations
 
-import ast
 import re
 
-from ..common.script_kind import kind_of
+from ..common.script_kind import argument_defaults, kind_of
 from ..common.script_kind import script_flags as _declared_flags
 
 __all__ = ["Layout", "parse_layouts", "kind_of", "script_flags", "ScriptFlags", "layout_args", "LayoutError",
@@ -162,26 +161,7 @@ def script_flags(source: str) -> ScriptFlags | None:
     unknown = sorted(set(declared) - set(FLAG_KEYS))
     if unknown:
         raise LayoutError(f"PADDLE_HYBRID_LAYOUT_FLAGS: unknown keys {unknown}; the keys are {', '.join(FLAG_KEYS)}")
-    return ScriptFlags(declared, _argument_defaults(source, set(declared.values())))
-
-
-def _argument_defaults(source: str, flags: set) -> dict:
-    """``{flag: default}`` of every ``add_argument(flag, ..., default=<literal>)`` call in the source."""
-    found = {}
-    for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
-            continue
-        names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-        for keyword in node.keywords:
-            if keyword.arg == "default":
-                try:
-                    value = ast.literal_eval(keyword.value)
-                except ValueError:
-                    continue  # not a literal: unknown until the script runs
-                for name in names:
-                    if name in flags:
-                        found[name] = value
-    return found
+    return ScriptFlags(declared, argument_defaults(source, declared.values()))
 
 
 def _value(args: list, flag: str, default=None):

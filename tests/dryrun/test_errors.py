@@ -105,3 +105,40 @@ def test_a_failure_in_one_stage_names_its_class(tmp_path):
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "the script failed in rank 1, class pipe 1 sharding 0 (stands for ranks 1, 3)" in proc.stdout, proc.stdout
     assert "matmul" in proc.stdout or "Shape" in proc.stdout or "shape" in proc.stdout
+
+
+MOE = os.path.join(ROOT, "examples", "moe_ep.py")
+# A script's own sizes (its PADDLE_HYBRID_LAYOUT_FLAGS' heads, layers, seq_len, experts), as given or by its
+# parser's default, against its degrees: (script, world, args, field, words).  Seen failing first: with these
+# checks off, the dry run started rank 0 on each and the script stopped in it (the dry run's exit 2).
+FLAGS_PLANTED = {
+    "heads": (GPT, 4, ["--pp", "2", "--mp", "2", "--heads", "3", "--hidden", "96"], "--heads",
+              "--heads = 3 does not divide by tensor parallelism 2"),
+    "layers_by_default": (GPT, 3, ["--pp", "3"], "--layers", "--layers = 4 does not divide by 3 stages x 1 virtual"),
+    "sequence_over_sep": (GPT, 2, ["--pp", "1", "--sep", "2", "--seq-len", "63"], "--seq-len",
+                          "--seq-len = 63 does not divide by segment parallelism 2"),
+    "experts": (MOE, 4, ["--moe-experts", "6"], "--moe-experts",
+                "--moe-experts = 6 does not divide by expert parallelism 4"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAGS_PLANTED))
+def test_a_script_s_own_sizes_are_checked_against_its_degrees(tmp_path, case):
+    script, world, args, field, words = FLAGS_PLANTED[case]
+    proc, report, work = dryrun(tmp_path, 1, world, script, args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    assert [e["field"] for e in report["errors"]] == [field] and words in report["errors"][0]["message"], \
+        report["errors"]
+    assert not os.path.exists(os.path.join(work, "rank0.log"))
+
+
+def test_expert_parallel_over_every_replica_by_default():
+    """moe_ep's --ep defaults to every process: its data parallelism is what the world leaves, ep all of it."""
+    from paddle_hybrid.common.script_kind import argument_defaults, script_flags
+    from paddle_hybrid.dryrun import checks
+
+    with open(MOE) as f:
+        source = f.read()
+    flags = script_flags(source)
+    degrees, errors = checks.check("flags", [], flags, 4, 1, 4, argument_defaults(source, flags.values()))
+    assert errors == [] and degrees["dp"] == 4 and degrees["ep"] == 4

@@ -68,7 +68,7 @@ def test_the_class_covers_the_world_and_says_routing_was_forced(runs):
     (only,) = runs["report"]["rank_classes"]
     assert only["ranks"] == list(range(WORLD)) and only["representative"] == 0
     assert only["routing"] == ROUTING
-    assert "MoE routing forced-balanced in class every rank" in runs["stdout"]
+    assert "MoE routing forced-balanced in class pipe 0 sharding 0" in runs["stdout"]  # fleet data parallel: one stage
 
 
 @pytest.mark.parametrize("rank", range(1, WORLD))
