@@ -24,9 +24,10 @@ embedding's (``tie_word_embeddings=False``).  ``--size small``: a model big enou
 arithmetic more than Python (hidden 256, 4 layers, vocabulary 1024; the benchmarks' second size).
 
 Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length``,
-``--num_samples`` and ``--init_from_config`` (:class:`ModelDataArguments`; the last builds the model
-from ``config.json`` with random weights, for a model whose checkpoint is not at hand, as
-``python -m paddle_hybrid.dryrun`` runs LLaMA-3-8B).  Saving (``--save_steps``) writes the Trainer's
+``--num_samples``, ``--init_from_config`` (:class:`ModelDataArguments`; builds the model from
+``config.json`` with random weights, for a model whose checkpoint is not at hand, as
+``python -m paddle_hybrid.dryrun`` runs LLaMA-3-8B) and ``--virtual_pipeline_model_parallel_size``
+(the model configuration's virtual pipeline degree, which ``TrainingArguments`` has no flag for).  Saving (``--save_steps``) writes the Trainer's
 default flex checkpoint; ``--resume_from_checkpoint runs/tp2/checkpoint-3`` resumes it, in this
 layout or another.  Each rank writes the losses it logged and the wall-clock end of every step to
 ``<output_dir>/progress.rank<N>.json`` (``{"loss": {step: loss}, "step_end_time": {step: seconds}}``;
@@ -52,6 +53,10 @@ class ModelDataArguments:
         default=False, metadata={"help": "build the model from --model_name_or_path's config.json with random "
                                          "weights (seeded) instead of loading them: a model of any size without its "
                                          "checkpoint, as python -m paddle_hybrid.dryrun runs one"})
+    virtual_pipeline_model_parallel_size: int = dataclasses.field(
+        default=0, metadata={"help": "virtual pipeline stages a pipeline stage (the model configuration's "
+                                     "virtual_pipeline_model_parallel_size, which TrainingArguments has no flag for; "
+                                     "0: the configuration's own)"})
 
 
 # --------------------------------------------------------------------------- the tiny model
@@ -180,6 +185,8 @@ def load_model(model_args: ModelDataArguments, training_args):
     config.tensor_parallel_rank = training_args.tensor_parallel_rank
     config.pipeline_model_parallel_size = training_args.pipeline_model_parallel_size
     config.sequence_parallel = training_args.sequence_parallel
+    if model_args.virtual_pipeline_model_parallel_size:
+        config.virtual_pipeline_model_parallel_size = model_args.virtual_pipeline_model_parallel_size
     config.max_sequence_length = model_args.seq_length  # sequence parallel splits sequences of this length
     cls = AutoModelForCausalLMPipe if training_args.pipeline_model_parallel_size > 1 else AutoModelForCausalLM
     if model_args.init_from_config:

@@ -11,8 +11,15 @@ source without running it.
 from __future__ import annotations
 
 import ast
+import re
 
-__all__ = ["script_flags", "kind_of", "flag_value", "argument_defaults", "script_value"]
+__all__ = ["script_flags", "kind_of", "flag_value", "argument_defaults", "script_value", "trainer_flags",
+           "TRAINER_VP_FLAG"]
+
+# PaddleFormers 1.2's TrainingArguments has no virtual-pipeline flag; its models read the configuration's
+# ``virtual_pipeline_model_parallel_size``.  A Trainer script that declares an argument of that name (as
+# ``examples/paddleformers_trainer.py`` does, setting the configuration's field) takes vp through it.
+TRAINER_VP_FLAG = "--virtual_pipeline_model_parallel_size"
 
 
 def script_flags(source: str) -> dict | None:
@@ -52,6 +59,13 @@ def script_value(args: list, flags: dict | None, key: str, defaults: dict | None
     if flag is None:
         return None
     return flag_value(args, flag, (defaults or {}).get(flag))
+
+
+def trainer_flags(source: str) -> dict:
+    """The degree flags a Trainer script declares beyond ``TrainingArguments``' own: ``{"vp": ...}`` when
+    its source names ``virtual_pipeline_model_parallel_size`` as an argument (a dataclass field or a flag)."""
+    declares = re.search(r"^\s*virtual_pipeline_model_parallel_size\s*:", source, re.M) or TRAINER_VP_FLAG in source
+    return {"vp": TRAINER_VP_FLAG} if declares else {}
 
 
 def kind_of(source: str) -> str:

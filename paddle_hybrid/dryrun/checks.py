@@ -15,14 +15,15 @@ for a PaddleFormers Trainer script, the model's ``config.json`` (``--model_name_
   schedule refuses (an assertion in the middle of the first step otherwise).
 
 A Trainer's virtual pipeline degree is its model's ``virtual_pipeline_model_parallel_size``
-(``config.json``: PaddleFormers 1.2's TrainingArguments has no flag for it).
+(``config.json``: PaddleFormers 1.2's TrainingArguments has no flag for it), or the script's own
+``--virtual_pipeline_model_parallel_size`` argument where it has one and it is given.
 """
 from __future__ import annotations
 
 import json
 import os
 
-from ..common.script_kind import flag_value, script_value
+from ..common.script_kind import TRAINER_VP_FLAG, flag_value, script_value
 
 __all__ = ["ConfigError", "degrees_of", "check", "microbatches_of", "with_microbatches", "with_one_chunk"]
 
@@ -67,7 +68,8 @@ def degrees_of(kind: str, args: list, flags: dict | None, world_size: int, defau
     if kind == "trainer":
         for key, flag in TRAINER_FLAGS.items():
             degrees[key] = int(flag_value(args, flag, 1))
-        degrees["vp"] = int((trainer_config(args) or {}).get(TRAINER_VP, 1) or 1)
+        given = flag_value(args, TRAINER_VP_FLAG)  # a script's own argument for it wins (see common.script_kind)
+        degrees["vp"] = int(given if given not in (None, "0") else (trainer_config(args) or {}).get(TRAINER_VP, 1) or 1)
         degrees["dp"] = _remainder(degrees, world_size)
         return degrees
     return degrees
@@ -121,6 +123,8 @@ def with_one_chunk(kind: str, args: list, flags: dict | None, work: str) -> list
     Trainer's model directory is mirrored into ``work`` (links to its files) with its configuration's degree 1."""
     if kind == "flags":
         return [*args, (flags or {}).get("vp", "--vp"), "1"]
+    if flag_value(args, TRAINER_VP_FLAG) is not None:
+        return [*args, TRAINER_VP_FLAG, "1"]
     path = flag_value(args, "--model_name_or_path")
     mirror = os.path.join(work, "model-one-chunk")
     os.makedirs(mirror, exist_ok=True)

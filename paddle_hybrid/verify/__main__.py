@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 
+from ..common.script_kind import trainer_flags
 from . import DEFAULT_ATOL, DEFAULT_GRAD_RTOL, DEFAULT_RTOL, EXIT_DIFFERS, EXIT_EQUAL, EXIT_FAILED, run_layout
 from . import compare as compare_mod
 from . import nodes as nodes_mod
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
         with open(opts.script) as f:
             source = f.read()
         kind = kind_of(source) if opts.kind == "auto" else opts.kind
-        flags = script_flags(source) if kind == "flags" else None
+        flags = script_flags(source) if kind == "flags" else trainer_flags(source) if kind == "trainer" else None
         for layout in [None, *layouts]:  # every layout's arguments made before any run: fail fast
             layout_args(kind, opts.args, layout, flags)
         nodes_mod.check(layouts, opts.nnodes)

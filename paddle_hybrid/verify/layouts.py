@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 
-from ..common.script_kind import argument_defaults, kind_of
+from ..common.script_kind import TRAINER_VP_FLAG, argument_defaults, kind_of
 from ..common.script_kind import script_flags as _declared_flags
 
 __all__ = ["Layout", "parse_layouts", "kind_of", "script_flags", "ScriptFlags", "layout_args", "LayoutError",
@@ -201,7 +201,7 @@ def layout_args(kind: str, args: list, layout: Layout | None, flags: dict | None
     """The script's arguments for ``layout`` (None: one process); :class:`LayoutError` if the
     script cannot take it."""
     if kind == "trainer":
-        return _trainer_args(list(args), layout)
+        return _trainer_args(list(args), layout, flags)
     if kind == "flags":
         return _flags_args(list(args), layout, flags)
     if layout is not None:
@@ -209,25 +209,33 @@ def layout_args(kind: str, args: list, layout: Layout | None, flags: dict | None
     return list(args)
 
 
-def _trainer_args(args: list, layout: Layout | None) -> list:
+def _trainer_args(args: list, layout: Layout | None, flags: dict | None = None) -> list:
+    """``flags``: the degree flags the script declares beyond TrainingArguments'
+    (:func:`~paddle_hybrid.common.script_kind.trainer_flags`)."""
     args = _without(args, ["--logging_steps"]) + ["--logging_steps", "1"]
     if layout is None:
         return args
     d = layout.degrees
-    for key, why in (("vp", "PaddleFormers' TrainingArguments has no virtual-pipeline flag"),
-                     ("ep", "expert parallel through the Trainer was not tried")):
-        if d[key] > 1:
-            raise LayoutError(f"layout {layout.name}: a Trainer script cannot take {key}{d[key]}: {why}")
+    if d["vp"] > 1 and "vp" not in (flags or {}):
+        raise LayoutError(f"layout {layout.name}: a Trainer script takes vp{d['vp']} only through an argument "
+                          f"{TRAINER_VP_FLAG} that sets the model configuration's virtual_pipeline_model_parallel_size "
+                          "(PaddleFormers' TrainingArguments has no virtual-pipeline flag; "
+                          "examples/paddleformers_trainer.py has one)")
+    if d["ep"] > 1:
+        raise LayoutError(f"layout {layout.name}: a Trainer script cannot take ep{d['ep']}: expert parallel through "
+                          "the Trainer was not tried")
     given = _value(args, "--per_device_train_batch_size", TRAINER_DEFAULT_BATCH)
     args = _without(args, ["--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--sharding",
                            "--sharding_parallel_size", "--sequence_parallel", "--per_device_train_batch_size",
-                           "--sep_parallel_size"])
+                           "--sep_parallel_size", TRAINER_VP_FLAG])
     batch = _share(given, layout.replicas, "--per_device_train_batch_size", layout)
     extra = ["--per_device_train_batch_size", batch]
     if d["mp"] > 1:
         extra += ["--tensor_model_parallel_size", str(d["mp"])]
     if d["pp"] > 1:
         extra += ["--pipeline_model_parallel_size", str(d["pp"])]
+    if "vp" in (flags or {}):  # stated in every layout: the configuration's own may be another
+        extra += [flags["vp"], str(d["vp"])]
     if d["sharding"] > 1:
         extra += ["--sharding", f"stage{layout.sharding_stage}", "--sharding_parallel_size", str(d["sharding"])]
     if d["sep"] > 1:

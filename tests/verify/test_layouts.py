@@ -1,9 +1,14 @@
 """How the verifier names layouts and gives them to a script (``paddle_hybrid.verify.layouts``):
 degrees parsed, errors that say what to write, each kind of script's arguments (the data-parallel
 replicas' share of the batch, every degree of a flags script stated)."""
+import os
+
 import pytest
 
 from paddle_hybrid.verify.layouts import Layout, LayoutError, kind_of, layout_args, parse_layouts, script_flags
+
+TRAINER_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
+                               "paddleformers_trainer.py")
 
 GPT_FLAGS = {"mp": "--mp", "pp": "--pp", "dp": "--dp", "sharding": "--sharding", "sp": "--sequence-parallel",
              "batch": "--micro-batch-size"}
@@ -160,3 +165,21 @@ def test_the_trainer_and_a_plain_fleet_script_take_what_they_can():
     assert layout_args("fleet", ["--x", "1"], Layout("sep2")) == ["--x", "1"]  # sep_degree goes into the strategy
     with pytest.raises(LayoutError, match="a plain fleet script takes only the degrees of fleet's strategy"):
         layout_args("fleet", [], Layout("pp2vp2"))
+
+
+def test_a_trainer_takes_vp_only_through_its_own_argument():
+    """PaddleFormers' TrainingArguments has no virtual-pipeline flag: a Trainer script that declares
+    ``virtual_pipeline_model_parallel_size`` (examples/paddleformers_trainer.py) is given it in every layout,
+    one that does not is refused naming the argument to add."""
+    from paddle_hybrid.common.script_kind import trainer_flags
+
+    with open(TRAINER_EXAMPLE) as f:
+        flags = trainer_flags(f.read())
+    assert flags == {"vp": "--virtual_pipeline_model_parallel_size"}
+    args = layout_args("trainer", ["--per_device_train_batch_size", "4"], Layout("pp4vp2"), flags)
+    assert args[args.index("--virtual_pipeline_model_parallel_size") + 1] == "2"
+    args = layout_args("trainer", ["--per_device_train_batch_size", "4"], Layout("pp4"), flags)
+    assert args[args.index("--virtual_pipeline_model_parallel_size") + 1] == "1"
+    assert trainer_flags("from paddleformers.trainer import TrainingArguments\n") == {}
+    with pytest.raises(LayoutError, match="--virtual_pipeline_model_parallel_size that sets the model configuration"):
+        layout_args("trainer", ["--per_device_train_batch_size", "4"], Layout("pp4vp2"), {})
