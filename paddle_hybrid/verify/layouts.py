@@ -19,8 +19,10 @@ How a script takes a layout depends on what the script is (:func:`kind_of`):
   (``stage2``, ``stage3``) ``--sharding_parallel_size``, ``--sep_parallel_size``,
   ``--sequence_parallel true``); data parallel is what is left of the processes.
   ``--per_device_train_batch_size`` is divided by the data-parallel replicas, so every layout
-  trains the same global batch as one process.  PaddleFormers 1.2 has no virtual-pipeline flag,
-  and expert parallel through the Trainer was not tried: both are refused.
+  trains the same global batch as one process.  PaddleFormers 1.2 has no virtual-pipeline flag:
+  ``vp`` goes through the script's own ``--virtual_pipeline_model_parallel_size`` where it declares
+  one (``examples/paddleformers_trainer.py``), and is refused where it does not; expert parallel
+  through the Trainer was not tried: refused.
 * ``flags``: the script declares how it takes degrees, in a module-level dict
   ``PADDLE_HYBRID_LAYOUT_FLAGS`` (read from its source, not run; ``examples/gpt_pp.py`` and
   ``examples/moe_ep.py`` have one).  Its keys (:data:`FLAG_KEYS`): the degrees ``mp``, ``pp``,
