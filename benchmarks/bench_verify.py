@@ -7,10 +7,22 @@
   TP2, 12 steps, with ``PADDLE_HYBRID_CHECK_REPLICAS`` 0 (the default) and 1 (a check every step),
   side by side: the median step time of each (the first step left out) and what one check costs.
 
-Prints a table and writes ``benchmarks/results/verify.json``.
+* **at the job's degrees** (``--case sixteen``): the whole verify command at 16 ranks on this machine,
+  each with its wall time and the peak memory of all its processes together (resident bytes of the
+  command's process tree, sampled every 0.2 s), and where the time goes (each run's wall time, which
+  includes its processes' start-up; the comparison is the rest):
 
-    python benchmarks/bench_verify.py
-    python benchmarks/bench_verify.py --steps 8
+  - ``llama8b-tp4pp2dp2``: a LLaMA shrunk from LLaMA-3-8B's configuration (``--shrink-from``) through
+    ``examples/paddleformers_trainer.py`` at tp4 x pp2 x dp2;
+  - ``llama8b-tp2pp4vp2dp2``: the same at tp2 x pp4 x vp2 x dp2;
+  - ``gpt-tp2pp2dp2-nnodes2``: ``examples/gpt_pp.py`` at tp2 x pp2 x dp2 over 2 launchers (``--nnodes 2``; 8 ranks).
+
+  Targets (issue 46): under 5 minutes and 12 GiB each.
+
+Prints a table and writes ``benchmarks/results/verify.json`` (``--out``).
+
+    python benchmarks/bench_verify.py                     # verify and the replica check
+    python benchmarks/bench_verify.py --case sixteen
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,11 +94,105 @@ def measure_replica_check(work: str, steps: int) -> dict:
     return rows
 
 
+LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+CPU_TRAINER = ["--output_dir", "unused", "--device", "cpu", "--bf16", "false", "--fp16", "false",
+               "--amp_master_grad", "false", "--split_param", "false", "--report_to", "none", "--save_strategy", "no",
+               "--seq_length", "16", "--num_samples", "64", "--max_steps", "2", "--per_device_train_batch_size", "4",
+               "--gradient_accumulation_steps", "8"]
+SIXTEEN = {
+    "llama8b-tp4pp2dp2": ("tp4pp2dp2", 1, "trainer"),
+    "llama8b-tp2pp4vp2dp2": ("tp2pp4vp2dp2", 1, "trainer"),
+    "gpt-tp2pp2dp2-nnodes2": ("tp2pp2dp2", 2, "gpt"),
+}
+
+
+def _tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and every process below it (Linux /proc)."""
+    children, rss = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += children.get(pid, [])
+    return total
+
+
+def _verify_with_memory(cmd: list, env: dict, timeout: float) -> tuple:
+    """(exit code, output, wall seconds, peak resident bytes of its process tree)."""
+    start, peak = time.time(), 0
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        if time.time() - start > timeout:
+            proc.kill()
+        time.sleep(0.2)
+    reader.join()
+    return proc.returncode, "".join(out), time.time() - start, peak
+
+
+def measure_sixteen(work: str) -> dict:
+    config = os.path.join(work, "llama-3-8b.json")
+    with open(config, "w") as f:
+        json.dump(LLAMA_3_8B, f)
+    rows = {}
+    for name, (layout, nnodes, script) in SIXTEEN.items():
+        verdict = os.path.join(work, f"{name}.json")
+        if script == "trainer":
+            cmd = [sys.executable, "-m", "paddle_hybrid.verify", "--shrink-from", config, "--layouts", layout,
+                   "--json", verdict, TRAINER, "--model_name_or_path", work, "--init_from_config", "true", *CPU_TRAINER]
+        else:
+            cmd = [sys.executable, "-m", "paddle_hybrid.verify", "--nnodes", str(nnodes), "--layouts", layout,
+                   "--json", verdict, GPT, "--steps", "3", "--micro-batch-size", "8"]
+        code, out, wall, peak = _verify_with_memory(cmd, _env(), 1800)
+        result = {}
+        if os.path.isfile(verdict):
+            with open(verdict) as f:
+                result = json.load(f)
+        runs = result.get("seconds", {})
+        rows[name] = {"layout": layout, "nnodes": nnodes, "exit": code, "wall_s": round(wall, 1),
+                      "peak_rss_bytes": peak, "runs_s": {k: round(v, 1) for k, v in runs.items()},
+                      "comparison_s": round(wall - sum(runs.values()), 1),
+                      "equal": {k: v["equal"] for k, v in result.get("layouts", {}).items()},
+                      "tail": out[-1500:] if code not in (0, 1) else ""}
+        print(f"{name}: exit {code}, {wall:.0f} s, peak {peak / 2**30:.2f} GiB", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--case", choices=("verify", "sixteen"), default="verify")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "verify.json"))
     args = parser.parse_args()
     report = {"date": time.strftime("%Y-%m-%d")}
+    if args.case == "sixteen":
+        with tempfile.TemporaryDirectory() as work:
+            report["sixteen"] = measure_sixteen(work)
+        print(f"\n{'case':<24} {'exit':>4} {'wall s':>7} {'peak GiB':>9} {'runs (s)':<40} {'compare s':>9}  equal")
+        for name, row in report["sixteen"].items():
+            runs = ", ".join(f"{k} {v}" for k, v in row["runs_s"].items())
+            print(f"{name:<24} {row['exit']:>4} {row['wall_s']:>7} {row['peak_rss_bytes'] / 2**30:>9.2f} {runs:<40} "
+                  f"{row['comparison_s']:>9}  {row['equal']}")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return
     with tempfile.TemporaryDirectory() as work:
         report["verify"] = measure_verify(work)
         report["replica_check"] = measure_replica_check(work, args.steps)
@@ -96,8 +203,8 @@ def main():
     print(f"{'layout':<8} {'off (ms)':>9} {'on (ms)':>9} {'a check (ms)':>13} {'on/off':>7}")
     for name, row in report["replica_check"].items():
         print(f"{name:<8} {row['off'] * 1e3:9.1f} {row['on'] * 1e3:9.1f} {row['check_ms']:13.1f} {row['ratio']:7.2f}")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "verify.json"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 
 
