@@ -30,6 +30,9 @@ fix                      what it mends (details in the module's docstring)
                          names a class it never builds (fixed); sliding-window
                          attention dropped, eager attention without a causal mask
                          (refused)
+:mod:`.padding_embedding`  the padding token (``pad_token_id``, LLaMA's default 0) is
+                         zeros and untrained in one process, trained under a pipeline
+                         or tensor parallelism: other gradients (fixed)
 :mod:`.sink_attention`   ``sdpa`` attention with sinks (GPT-OSS) is flash attention
                          only: on CPU it stopped on a CUDA-only flag; now computed
                          with CPU operators, as the eager implementation does
@@ -68,6 +71,7 @@ VERIFIED_PADDLEFORMERS = ("1.2.",)
 TRAINER_MODULE = "paddleformers.trainer.trainer"
 PIPE_MODULE = "paddleformers.nn.pp_model"
 SDPA_MODULE = "paddleformers.nn.attention.sdpa_attention"
+EMBEDDING_MODULE = "paddleformers.nn.embedding"
 
 
 def _paddleformers_version() -> str:
@@ -99,9 +103,18 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
 def _fix_pipe_models(patcher: Patcher, pp_model) -> None:
     """The generic pipeline model's fixes (:mod:`.pipe_models`), on a verified PaddleFormers."""
     if version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
-        from . import pipe_models
+        from . import padding_embedding, pipe_models
 
         pipe_models.apply_to(patcher, pp_model)
+        padding_embedding.apply_to_pipe(patcher, pp_model)
+
+
+def _fix_embedding(patcher: Patcher, embedding) -> None:
+    """The padding token under tensor parallelism (:mod:`.padding_embedding`), on a verified PaddleFormers."""
+    if version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        from . import padding_embedding
+
+        padding_embedding.apply_to_embedding(patcher, embedding)
 
 
 def _hook_families(patcher: Patcher) -> None:
@@ -131,6 +144,8 @@ def apply(config, patcher: Patcher) -> str:
 
     cancel = when_imported(TRAINER_MODULE, lambda module: _fix_trainer(patcher, module))
     patcher.on_revert(cancel, f"the wait for {TRAINER_MODULE}")
+    cancel = when_imported(EMBEDDING_MODULE, lambda module: _fix_embedding(patcher, module))
+    patcher.on_revert(cancel, f"the wait for {EMBEDDING_MODULE}")
     cancel = when_imported(PIPE_MODULE, lambda module: _fix_pipe_models(patcher, module))
     patcher.on_revert(cancel, f"the wait for {PIPE_MODULE}")
     cancel = when_imported(SDPA_MODULE, lambda module: _fix_sdpa_attention(patcher, module))
