@@ -37,6 +37,9 @@ import sys
 
 import pytest
 
+# the same accounting meets real runs in both lanes (test_fake_equals_real): one CI lane, tests/conftest.py
+pytestmark = pytest.mark.one_lane
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT = os.path.join(ROOT, "examples", "gpt_pp.py")
 S, B, H, A = 64, 2, 64, 4  # sequence, micro-batch, hidden, heads

@@ -36,6 +36,9 @@ sys.path.insert(0, HERE)
 import two_machines  # noqa: E402
 from test_restart import SCRIPT, STEPS, _same_as_uninterrupted, uninterrupted  # noqa: E402,F401  (a fixture)
 
+# routes, interfaces, partitions between namespaces (not Paddle's version): one CI lane, tests/conftest.py
+pytestmark = pytest.mark.one_lane
+
 GPT = os.path.join(ROOT, "examples", "gpt_pp.py")
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "4",
          "--lr", "1e-2", "--corpus-chars", "20000", "--steps", "4"]
