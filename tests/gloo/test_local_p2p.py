@@ -13,6 +13,10 @@ import pytest
 
 from paddle_hybrid.testing import LaunchError, launch
 
+# the plugin's own shared-memory kernels against gloo; every layout test of both lanes also trains
+# through them: one CI lane, tests/conftest.py
+pytestmark = pytest.mark.one_lane
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker_local_p2p.py")
 
