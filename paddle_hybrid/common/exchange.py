@@ -22,8 +22,8 @@ import collections
 import json
 import time
 
-__all__ = ["ExchangeTimeout", "exchange", "answer_for_every_rank", "job_store", "arrive", "wait_for", "missing", "describe_ranks",
-           "AgreementError", "differences"]
+__all__ = ["ExchangeTimeout", "exchange", "answer_for_every_rank", "job_store", "arrive",
+           "wait_for", "missing", "describe_ranks", "AgreementError", "differences"]
 
 _POLL = 0.005  # seconds between two reads of the store's counters
 _counts: collections.Counter = collections.Counter()
