@@ -50,6 +50,8 @@
 #include "paddle/phi/api/include/context_pool.h"
 #include "paddle/phi/core/enforce.h"
 
+#include "fake_comm.h"
+
 // Paddle's wheel ships `gloo_comm_context.h` but not the gloo headers it includes,
 // so the two members used here are declared as Paddle defines them (exported by
 // libphi_core.so).  Whether a context is one is asked of its vtable, the one
@@ -191,12 +193,17 @@ DenseTensor Wrap(const T* data, int64_t n) {
 template <typename T>
 void ReduceScatter(const CPUContext& dev_ctx, const DenseTensor& x, int nranks, DenseTensor* out) {
   using Fn = void (*)(const CPUContext&, const DenseTensor&, int, DenseTensor*);
+  if (ph_fake::IsFake(dev_ctx.GetCommContext())) {
+    ph_fake::FakeReduceScatter(dev_ctx.GetCommContext(), x, out);
+    return ph_fake::Log("reduce_scatter", dev_ctx.GetCommContext(), ph_fake::Bytes(*out));
+  }
   GlooCommContext* comm = GlooOf(dev_ctx);
   if (comm == nullptr) {
     return Original<Fn>("ReduceScatterKernel", TypeName<T>::value)(dev_ctx, x, nranks, out);
   }
   Count("ReduceScatterKernel");
   const int n = comm->GetSize(), r = comm->GetRank();
+  ph_fake::Log("reduce_scatter", comm, n > 0 ? ph_fake::Bytes(x) / n : 0);
   PADDLE_ENFORCE_EQ(nranks, n, common::errors::InvalidArgument(
       "paddle_hybrid reduce_scatter: nranks is %d, the gloo group has %d ranks.", nranks, n));
   PADDLE_ENFORCE_EQ(x.dims().size() > 0 && Rows(x) % n == 0, true, common::errors::InvalidArgument(
@@ -239,11 +246,16 @@ int Partner(int rank, int k, int m) {
 template <typename T>
 void AllToAll(const CPUContext& dev_ctx, const DenseTensor& x, DenseTensor* out) {
   using Fn = void (*)(const CPUContext&, const DenseTensor&, DenseTensor*);
+  if (ph_fake::IsFake(dev_ctx.GetCommContext())) {
+    ph_fake::Log("all_to_all", dev_ctx.GetCommContext(), ph_fake::Bytes(x));
+    return ph_fake::FakeAllToAll(dev_ctx.GetCommContext(), x, out);
+  }
   GlooCommContext* comm = GlooOf(dev_ctx);
   if (comm == nullptr) {
     return Original<Fn>("AllToAllKernel", TypeName<T>::value)(dev_ctx, x, out);
   }
   Count("AllToAllKernel");
+  ph_fake::Log("all_to_all", comm, ph_fake::Bytes(x));
   const int n = comm->GetSize(), r = comm->GetRank();
   PADDLE_ENFORCE_EQ(x.dims().size() > 0 && Rows(x) % n == 0, true, common::errors::InvalidArgument(
       "paddle_hybrid all_to_all: the first dimension of the input (%s) must divide by the %d ranks.",
@@ -337,6 +349,10 @@ void GlooRecv(GlooCommContext* comm, const CPUContext& dev_ctx, int peer, phi::D
 template <typename T>
 void PSend(const CPUContext& dev_ctx, const DenseTensor& x, int peer, bool dynamic_shape) {
   using Fn = void (*)(const CPUContext&, const DenseTensor&, int, bool);
+  if (ph_fake::IsFake(dev_ctx.GetCommContext()) || GlooOf(dev_ctx) != nullptr) {
+    ph_fake::Log("send", dev_ctx.GetCommContext(), ph_fake::Bytes(x), peer);
+  }
+  if (ph_fake::IsFake(dev_ctx.GetCommContext())) return ph_fake::FakeSend(dev_ctx.GetCommContext(), x, peer);
   GlooCommContext* comm = GlooOf(dev_ctx);
   if (comm == nullptr) {
     return Original<Fn>("PSendKernel", TypeName<T>::value)(dev_ctx, x, peer, dynamic_shape);
@@ -349,12 +365,22 @@ template <typename T>
 void PRecv(const CPUContext& dev_ctx, int peer, phi::DataType dtype, const std::vector<int>& out_shape,
            bool dynamic_shape, DenseTensor* out) {
   using Fn = void (*)(const CPUContext&, int, phi::DataType, const std::vector<int>&, bool, DenseTensor*);
+  if (ph_fake::IsFake(dev_ctx.GetCommContext())) {
+    if (dynamic_shape) {
+      ph_fake::FakeRecvShape(dev_ctx.GetCommContext(), peer, out);
+    } else {
+      out->Resize(common::make_ddim(std::vector<int64_t>(out_shape.begin(), out_shape.end())));
+    }
+    dev_ctx.Alloc(out, phi::CppTypeToDataType<T>::Type());
+    return ph_fake::FakeRecv(dev_ctx.GetCommContext(), out, peer);
+  }
   GlooCommContext* comm = GlooOf(dev_ctx);
   if (comm == nullptr) {
     return Original<Fn>("PRecvKernel", TypeName<T>::value)(dev_ctx, peer, dtype, out_shape, dynamic_shape, out);
   }
   Count("PRecvKernel");
   GlooRecv(comm, dev_ctx, peer, phi::CppTypeToDataType<T>::Type(), out_shape, dynamic_shape, out);
+  ph_fake::Log("recv", comm, ph_fake::Bytes(*out), peer);
 }
 
 // -- send_v2 / recv_v2 of static programs ---------------------------------------------------

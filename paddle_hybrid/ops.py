@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 NOP_OP = "ph_nop"
+UNBACKED_OP = "ph_unbacked"
 COALESCE_OP = "ph_coalesce_tensor"
 # Slot names of the ops in legacy programs (custom-op vector slots carry
 # Paddle's "@VECTOR" suffix): use them with Block._insert_op_without_sync.
@@ -114,7 +115,7 @@ def _load() -> list:
     from paddle.utils.cpp_extension.extension_utils import load_op_meta_info_and_register_op
 
     names = load_op_meta_info_and_register_op(path)
-    missing = {NOP_OP, COALESCE_OP, UNCOALESCE_OP, "ph_use_ring", "ph_send_v2", "ph_recv_v2"} - set(names)
+    missing = {NOP_OP, COALESCE_OP, UNCOALESCE_OP, UNBACKED_OP, "ph_use_ring", "ph_send_v2", "ph_recv_v2"} - set(names)
     if missing:
         raise ImportError(
             f"paddle_hybrid: {path} registered {sorted(names)} but not {sorted(missing)}; "
@@ -262,6 +263,17 @@ def nop(*tensors):
         block.append_op(type=NOP_OP, inputs={NOP_IN: ts}, outputs={NOP_OUT: ts})
         out = ts
     return out[0] if len(out) == 1 else tuple(out)
+
+
+# --------------------------------------------------------------------------- unbacked
+def unbacked(shape, dtype):
+    """A dygraph CPU tensor of ``shape`` and ``dtype`` whose holder says it has the bytes and owns
+    none (its data pointer is null; nothing is allocated).  For a tensor no kernel will read: what
+    the dry run's probe gives back for a DistTensor a semi-auto op saved on a rank outside its
+    mesh (``custom_ops/unbacked.cc`` says why)."""
+    like = paddle.empty([0], dtype=dtype)
+    with paddle.no_grad():
+        return _C_ops._run_custom_op(UNBACKED_OP, like, [int(d) for d in shape])[0]
 
 
 # --------------------------------------------------------------------------- coalesce_tensor

@@ -43,15 +43,15 @@ def coordinates(names: list, degrees: dict) -> list:
 
 
 def classes_of(topology: dict | None, world_size: int) -> list:
-    """The classes of a world (``topology`` as the probe records it; None: a script without fleet's
-    hybrid topology, whose ranks are alike)."""
+    """The classes of a world (``topology`` as the probe records it: fleet's, or the semi-auto API's
+    mesh with its own ``key_axes``; None: a script with neither, whose ranks are alike)."""
     if topology is None:
         return [RankClass({}, list(range(world_size)), 0)]
     names = topology["names"]
     coords = coordinates(names, topology["degrees"])
     if len(coords) != world_size:
         raise ValueError(f"fleet's topology has {len(coords)} ranks ({topology['degrees']}) in a world of {world_size}")
-    keys = [axis for axis in KEY_AXES if axis in names]
+    keys = [axis for axis in topology.get("key_axes", KEY_AXES) if axis in names]
     grouped = {}
     for rank, coord in enumerate(coords):
         grouped.setdefault(tuple(coord[a] for a in keys), []).append(rank)

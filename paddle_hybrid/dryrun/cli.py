@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
 
 from ..common.script_kind import argument_defaults, kind_of, script_flags
+from ..gloo import fake_contexts
 from . import checks, classes, gpu_estimate, report, runner
 
 __all__ = ["main", "build_parser"]
@@ -162,16 +164,16 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
         if not _waits_on_a_later_stage(run) and _failed(run, label, rank_class):
             _finish(args, base, started)
             return EXIT_FAILED
-    for rank_class, rank in plan:
-        if rank in runs and _waits_on_a_later_stage(runs[rank]):
-            label = f"class {rank_class.label}"
-            runs[rank] = _run_rank(args, script, run_args, rank, world_size, work, label + " (again: the later "
-                                   "stages it receives from have run)")
-            if _failed(runs[rank], label, rank_class):
-                _finish(args, base, started)
-                return EXIT_FAILED
+    if _rerun_the_waiting(args, script, run_args, world_size, work, plan, runs):
+        _finish(args, base, started)
+        return EXIT_FAILED
 
-    # 4. the report
+    # 4. receive shapes the fake world took from the other way, checked against the senders' runs
+    if _shapes_contradicted(work):
+        _finish(args, base, started)
+        return EXIT_FAILED
+
+    # 5. the report
     entries, by_rank = [], {}
     for rank_class, rank in plan:
         if rank in derived:
@@ -189,6 +191,67 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
     print(report.table(entries), flush=True)
     _finish(args, base, started)
     return EXIT_OK
+
+
+MAX_ROUNDS = 8  # reruns of the ranks that waited; each round must record more than the one before
+
+
+def _rerun_the_waiting(args, script, run_args, world_size, work, plan, runs) -> bool:
+    """Run again, in stage order, every rank that stopped waiting on a rank not yet recorded, until
+    none waits.  Two stages can each wait on the other (an interleaved pipeline's first stage takes
+    its second chunk's input from the last stage, which took its first from the first): each round
+    lets each go further on what the other recorded in the round before.  A round that records
+    nothing new cannot help the next: the wait is then the failure, named.  True: failed (said)."""
+    for round_number in range(1, MAX_ROUNDS + 1):
+        waiting = [(c, r) for c, r in plan if r in runs and _waits_on_a_later_stage(runs[r])]
+        if not waiting:
+            return False
+        recorded = _recorded_messages(work)
+        for rank_class, rank in waiting:
+            label = f"class {rank_class.label}"
+            runs[rank] = _run_rank(args, script, run_args, rank, world_size, work,
+                                   f"{label} (again, round {round_number}: the stages it receives from have run)")
+            if not _waits_on_a_later_stage(runs[rank]) and _failed(runs[rank], label, rank_class):
+                return True
+        if _recorded_messages(work) == recorded:
+            break
+    still = [(c, r) for c, r in plan if r in runs and _waits_on_a_later_stage(runs[r])]
+    for rank_class, rank in still:
+        _failed(runs[rank], f"class {rank_class.label} (still waiting after {round_number} rounds of reruns)",
+                rank_class)
+    return bool(still)
+
+
+def _recorded_messages(work) -> int:
+    """How many point-to-point messages the runs so far recorded (Python's and C++'s)."""
+    folder, total = os.path.join(work, "records"), 0
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith(("sent.", "sent_cpp.")):
+            with open(os.path.join(folder, name)) as f:
+                records = json.load(f)
+            total += sum(len(v) for v in records.values()) if isinstance(records, dict) else len(records)
+    return total
+
+
+def _shapes_contradicted(work) -> bool:
+    """A rank whose dynamic-shape receive ran before its sender took the shape of its own send the
+    other way (``fake_contexts.assumed``); now every run is recorded, each is checked against what the
+    sender sent.  A difference is a wrong figure: said, and the dry run fails."""
+    folder = os.path.join(work, "records")
+    assumed, sent = [], []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name)) as f:
+            if name.startswith("assumed_cpp."):
+                assumed.extend(json.load(f))
+            elif name.startswith("sent_cpp."):
+                sent.extend(json.load(f))
+    wrong = fake_contexts.unconfirmed(assumed, sent)
+    for mine, theirs in wrong:
+        print(f"the fake world assumed message {mine['index']} on {mine['pair']} had dims {mine['dims']} (dtype "
+              f"{mine['dtype']}), the shape of the send the other way; the sender's run sent {theirs['dims']} "
+              f"(dtype {theirs['dtype']}). Dry-run with --ranks all and pipeline stages in order, or report this.",
+              flush=True)
+    return bool(wrong)
 
 
 def _partition_source(rank_class, rank_classes, runs):

@@ -54,9 +54,10 @@ import socket
 
 from ..common import exchange
 from ..common.tensor_bytes import nbytes
+from . import fake_contexts
 from .collectives import DoneTask
 
-__all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "log", "is_fake"]
+__all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "log", "log_length", "is_fake"]
 
 KEPT_ELEMENTS = 64  # float tensors up to this size carry their values into the record (losses, scales)
 KEPT_INTEGER_ELEMENTS = 1 << 20  # integer tensors (pipeline meta, token ids, labels) carry theirs up to this
@@ -78,9 +79,15 @@ def is_fake(process_group) -> bool:
     return isinstance(process_group, FakeProcessGroup)
 
 
+def log_length() -> int:
+    """How many calls :func:`log` holds (without building it)."""
+    return len(_STATE["log"]) + fake_contexts.count()
+
+
 def log() -> list:
-    """This process's communication so far: dicts of op, group (global ranks), bytes."""
-    return list(_STATE["log"])
+    """This process's communication so far, in call order: dicts of op, group (global ranks), bytes
+    (and peer), of the Python process groups and the C++ comm contexts (:mod:`.fake_contexts`)."""
+    return fake_contexts.merged(_STATE["log"])
 
 
 def _is_float(tensor) -> bool:
@@ -114,7 +121,8 @@ class FakeProcessGroup:
         return self._ranks[local] if self._ranks is not None else local
 
     def _record(self, op: str, tensor, **extra) -> None:
-        entry = {"op": op, "group": self._ranks, "bytes": nbytes(tensor) if tensor is not None else 0}
+        entry = {"op": op, "group": self._ranks, "bytes": nbytes(tensor) if tensor is not None else 0,
+                 "seq": fake_contexts.next_seq()}
         entry.update(extra)
         _STATE["log"].append(entry)
 
@@ -142,7 +150,7 @@ class FakeProcessGroup:
     broadcast_on_calc_stream = broadcast
 
     def barrier(self, *args, **kwargs):
-        _STATE["log"].append({"op": "barrier", "group": self._ranks, "bytes": 0})
+        _STATE["log"].append({"op": "barrier", "group": self._ranks, "bytes": 0, "seq": fake_contexts.next_seq()})
         return DoneTask()
 
     def all_gather(self, first, second, *args, **kwargs):
@@ -405,14 +413,31 @@ def _replay(world) -> dict:
     return found
 
 
+def _replay_cpp(world) -> list:
+    """What earlier runs sent on C++ comm contexts (every pair: a pair names its receiver within
+    the context, and only a rank that receives on it asks)."""
+    folder, found = world.get("replay"), []
+    if not folder or not os.path.isdir(folder):
+        return found
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("sent_cpp.") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                found.extend(json.load(f))
+    return found
+
+
 def _write() -> None:
     world = _world()
     os.makedirs(world["out"], exist_ok=True)
     rank = world["rank"]
     with open(os.path.join(world["out"], f"comm.{rank}.json"), "w") as f:
-        json.dump(_STATE["log"], f)
+        json.dump(log(), f)
     with open(os.path.join(world["out"], f"sent.{rank}.json"), "w") as f:
         json.dump(_STATE["sent"], f)
+    with open(os.path.join(world["out"], f"sent_cpp.{rank}.json"), "w") as f:
+        json.dump(fake_contexts.sent(), f)
+    with open(os.path.join(world["out"], f"assumed_cpp.{rank}.json"), "w") as f:
+        json.dump(fake_contexts.assumed(), f)
 
 
 def _free_port() -> int:
@@ -492,6 +517,9 @@ def apply(config, patcher) -> None:
         return store["store"]
 
     patcher.set(core, "create_or_get_global_tcp_store", create_or_get_global_tcp_store)
+    # The C++ paths' groups (the semi-auto API, static programs) and their global store.
+    fake_contexts.apply(patcher, fake=True, store_port=_free_port(), timeout=config.timeout)
+    fake_contexts.replay(_replay_cpp(world))
     exchange.answer_for_every_rank(True)
     patcher.on_revert(lambda: exchange.answer_for_every_rank(False), "the plugin's exchanges answered alone")
     import paddle

@@ -52,7 +52,7 @@ import time
 
 from ...common import routing_record
 from ...common.tensor_bytes import nbytes
-from ...gloo import fake_world
+from ...gloo import fake_contexts, fake_world
 from ...registry.component import Component
 
 __all__ = ["COMPONENT", "apply", "LOGGED_METHODS"]
@@ -119,7 +119,8 @@ class _Probe:
 
         self.record["updates"] += 1
         self.record.setdefault("update_times", []).append(time.time())
-        self.record.setdefault("comm_marks", []).append(len(fake_world.log() if fake_world.active() else self.comm))
+        calls = fake_world.log_length() if fake_world.active() else len(self.comm) + fake_contexts.count()
+        self.record.setdefault("comm_marks", []).append(calls)
         if fake_world.active():  # the dry run shows which rank is where
             print(f"[paddle_hybrid.dryrun] rank {self.record['rank']}: optimizer step {self.record['updates']} done",
                   file=sys.stderr, flush=True)
@@ -143,6 +144,8 @@ class _Probe:
 
     # -- saved for backward
     def pack(self, tensor):
+        if tensor.is_dist() and not _holds_local_memory(tensor):
+            return _NoLocalValue(tensor)  # an op of another mesh: nothing saved on this rank
         # A parameter saved by its op (a matmul's weight) is counted with the parameters, not as an activation.
         if self.window_open and not tensor.persistable:
             if self.saved["in_backward"]:  # recompute's forward, run again inside backward: held only there
@@ -169,7 +172,7 @@ class _Probe:
         log = []
         for e in self.comm:
             group = groups.get(e["_pg"])
-            entry = {"op": e["op"], "group": group, "bytes": e["bytes"]}
+            entry = {"op": e["op"], "group": group, "bytes": e["bytes"], "seq": e["seq"]}
             if "_peer" in e:
                 entry["peer"] = group[e["_peer"]] if group is not None else e["_peer"]
             log.append(entry)
@@ -183,15 +186,47 @@ class _Probe:
 
         if "peak_bytes" not in self.record:
             self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
-        self.record["topology"] = _topology()
+        self.record["topology"] = _topology() or _mesh_topology(self.optimizers)
         self.record.setdefault("virtual_stages", _virtual_stages())
-        self.record["communication"] = fake_world.log() if fake_world.active() else self._real_log()
+        # Both merge the C++ collectives' log into the Python one, in call order.
+        self.record["communication"] = fake_world.log() if fake_world.active() else fake_contexts.merged(
+            self._real_log())
         routing = routing_record.summary()
         if routing is not None:  # MoE gates routed here (forced-balanced in a dry run)
             self.record["routing"] = routing
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, f"probe.{self.record['rank']}.json"), "w") as f:
             json.dump(self.record, f)
+
+
+def _holds_local_memory(tensor) -> bool:
+    """Whether a DistTensor's local value has memory: not on a rank outside the mesh of the op that
+    saved it (the semi-auto API runs no kernel there and leaves a 0-byte holder)."""
+    local = tensor._local_value()
+    return local._is_initialized() and (local._numel() == 0 or local.data_ptr() != 0)
+
+
+class _NoLocalValue:
+    """What the pack hook keeps for a DistTensor without local memory.
+
+    Why not the tensor itself: Paddle 3.2-3.3's ``TensorWrapper::recover`` puts the unpacked
+    tensor's holder into a tensor of the saved shape after checking that the holder is large
+    enough, so a 0-byte holder fails every backward of a rank outside an op's mesh (a semi-auto
+    pipeline's other stages) once any saved-tensor hook is registered.  The unpacked tensor is
+    :func:`paddle_hybrid.ops.unbacked`: a holder of the right size that owns no memory (that op's
+    backward runs no kernel on this rank, and the allocator's figures stay as without the probe)."""
+
+    def __init__(self, tensor):
+        self.dtype, self.shape = tensor.dtype, list(tensor._local_value().shape)
+
+    def unpack(self):
+        from ... import ops
+
+        return ops.unbacked(self.shape, self.dtype)
+
+
+def _unpack(packed):
+    return packed.unpack() if isinstance(packed, _NoLocalValue) else packed
 
 
 def _square(tensor) -> bool:
@@ -318,6 +353,57 @@ def _topology():
             "stage": int(hcg.get_stage_id())}
 
 
+# The semi-auto API's usual mesh dimension names, as fleet names its axes (classes.KEY_AXES reads these).
+_MESH_AXES = {"pp": "pipe", "dp": "data", "mp": "model", "tp": "model", "sep": "sep", "cp": "context"}
+
+
+def _mesh_topology(optimizers):
+    """The semi-auto API's global mesh (``dist.auto_parallel.set_mesh``) as a topology, when its ranks
+    are numbered row-major as fleet numbers its axes (otherwise one axis, each rank its own class);
+    None without a mesh.  ``key_axes``: the axes whose
+    coordinate changes what a rank holds: the pipeline's, one over which optimizer state is sharded
+    (``dp_config``'s sharding levels), and any axis of a name not in :data:`_MESH_AXES`."""
+    try:
+        import paddle.distributed as dist
+
+        mesh = dist.auto_parallel.get_mesh()
+    except Exception:  # no mesh set: a script without the semi-auto API
+        return None
+    if mesh is None:
+        return None
+    if list(mesh.process_ids) != list(range(len(mesh.process_ids))):  # not fleet's numbering: each rank alone
+        size = len(mesh.process_ids)
+        return {"names": ["rank"], "degrees": {"rank": size}, "coordinate": {"rank": _rank()}, "stage": 0,
+                "key_axes": ["rank"], "mesh_dim_names": list(mesh.dim_names)}
+    dims = list(mesh.dim_names)
+    sharded = _optimizer_sharded_dims(optimizers, mesh)
+    names = ["sharding" if i in sharded else _MESH_AXES.get(n, n) for i, n in enumerate(dims)]
+    degrees = {n: int(d) for n, d in zip(names, mesh.shape)}
+    rank = _rank()
+    coordinate = dict(zip(names, _row_major(rank, list(mesh.shape))))
+    keys = [n for n in names if n in ("pipe", "sharding") or n not in _MESH_AXES.values()]
+    return {"names": names, "degrees": degrees, "coordinate": coordinate, "stage": coordinate.get("pipe", 0),
+            "key_axes": keys, "mesh_dim_names": dims}
+
+
+def _row_major(rank: int, shape: list) -> list:
+    """Row-major coordinate of ``rank`` in a mesh of ``shape``."""
+    out = []
+    for size in reversed(shape):
+        out.append(rank % size)
+        rank //= size
+    return list(reversed(out))
+
+
+def _optimizer_sharded_dims(optimizers, mesh) -> set:
+    """Mesh dimensions over which some optimizer state is split (Shard) on this rank."""
+    dims = set()
+    for tensor in _optimizer_state(optimizers):
+        if tensor.is_dist() and tensor.process_mesh == mesh:
+            dims.update(i for i, p in enumerate(tensor.placements) if p.is_shard())
+    return dims
+
+
 def _virtual_stages() -> int:
     """Model chunks per pipeline stage (fleet's ``PipelineLayer``), 1 without a virtual pipeline."""
     try:
@@ -392,8 +478,10 @@ def _make_logged(stock, op, probe):
         entry = {"op": op, "group": None, "bytes": nbytes(tensor) if tensor is not None else 0, "_pg": id(self)}
         if op in ("send", "recv"):  # the peer's place in the group follows the tensor
             entry["_peer"] = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+        entry["seq"] = fake_contexts.next_seq()
         probe.comm.append(entry)
-        return stock(self, *args, **kwargs)
+        with fake_contexts.paused():  # gloo's process group may run it on a comm context: logged once, here
+            return stock(self, *args, **kwargs)
 
     return method
 
@@ -407,10 +495,11 @@ def _make_logged_reduce_scatter(stock, probe):
         if probe.inside_logged_call:
             return stock(out_tensor, in_tensor, op, group, *args, **kwargs)
         probe.comm.append({"op": "reduce_scatter", "group": None, "bytes": nbytes(out_tensor),
-                           "_pg": id(group.process_group)})
+                           "_pg": id(group.process_group), "seq": fake_contexts.next_seq()})
         probe.inside_logged_call += 1
         try:
-            return stock(out_tensor, in_tensor, op, group, *args, **kwargs)
+            with fake_contexts.paused():
+                return stock(out_tensor, in_tensor, op, group, *args, **kwargs)
         finally:
             probe.inside_logged_call -= 1
 
@@ -430,7 +519,7 @@ def apply(config, patcher) -> str:
                                                           probe))
     autograd = paddle.autograd
     patcher.set(autograd, "backward", _make_backward(patcher.require(autograd, "backward", "paddle.autograd"), probe))
-    core.eager.register_saved_tensors_hooks(probe.pack, lambda tensor: tensor)
+    core.eager.register_saved_tensors_hooks(probe.pack, _unpack)
     _count_recompute_inputs(patcher, probe)
     patcher.on_revert(core.eager.reset_saved_tensors_hooks, "the dry-run probe's saved-tensor hooks")
     if not config.fake_world:
@@ -442,8 +531,11 @@ def apply(config, patcher) -> str:
 
 def _log_real_groups(patcher, probe) -> None:
     """A real run's communication: the gloo process group's methods (called from Python) and the
-    plugin's reduce_scatter on gloo, wrapped."""
+    plugin's reduce_scatter on gloo, wrapped; what C++ runs on gloo comm contexts (the semi-auto
+    API's reshards, static programs), logged in C++ (:mod:`...gloo.fake_contexts`)."""
     from paddle.base import core
+
+    fake_contexts.apply(patcher, fake=False)
 
     for name in LOGGED_METHODS:
         if hasattr(core.ProcessGroupGloo, name):
