@@ -35,7 +35,8 @@ first for ``*_into_tensor``, ``reduce_scatter`` and ``all_to_all``), as the prob
   earlier in this dry run (the world file's ``replay`` directory: an integer tensor, such as a
   pipeline's meta message or the labels the first stage sends the last, carries its values up to
   :data:`KEPT_INTEGER_ELEMENTS` elements, a floating one up to :data:`KEPT_ELEMENTS`; a larger integer
-  send, such as the bytes of the plugin's fused pipeline message, arrives as zeros); otherwise a
+  send, such as the bytes of the plugin's fused pipeline message, arrives as zeros, and so does a
+  receive declared a payload (:func:`expect_payload`) from a rank not recorded); otherwise a
   floating tensor becomes ones and an integer tensor keeps this rank's values (a broadcast's source
   is assumed to hold what this rank holds).  An integer ``recv`` from a rank with no record is an error naming
   both: its values decide shapes, and guessing them would run another program than the real one.
@@ -57,12 +58,13 @@ from ..common.tensor_bytes import nbytes
 from . import fake_contexts
 from .collectives import DoneTask
 
-__all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "log", "log_length", "is_fake"]
+__all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "expect_payload", "log",
+           "log_length", "is_fake"]
 
 KEPT_ELEMENTS = 64  # float tensors up to this size carry their values into the record (losses, scales)
 KEPT_INTEGER_ELEMENTS = 1 << 20  # integer tensors (pipeline meta, token ids, labels) carry theirs up to this
 
-_STATE = {"world": None, "log": [], "sent": {}, "replay": {}, "pair_count": {}}
+_STATE = {"world": None, "log": [], "sent": {}, "replay": {}, "pair_count": {}, "payloads": set()}
 
 
 class FakeWorldError(AttributeError):
@@ -73,6 +75,14 @@ class FakeWorldError(AttributeError):
 def active() -> bool:
     """Whether this process is in a fake world."""
     return _STATE["world"] is not None
+
+
+def expect_payload(tensor) -> None:
+    """The next receive into ``tensor`` carries bytes whose values decide no shape (the plugin's fused
+    pipeline message: the shapes came in the stages' first exchange): from a sender that has not run,
+    zeros arrive instead of the fake world's error for an integer receive without a record."""
+    if active():
+        _STATE["payloads"].add(id(tensor))
 
 
 def is_fake(process_group) -> bool:
@@ -364,6 +374,8 @@ def _fill_from(tensor, source: int, me: int, op: str) -> None:
     index = _STATE["pair_count"].get(counter, 0)
     _STATE["pair_count"][counter] = index + 1
     recorded = _STATE["replay"].get(f"{source}->{me}") if op == "recv" else None
+    payload = id(tensor) in _STATE["payloads"]
+    _STATE["payloads"].discard(id(tensor))
     entry = recorded[index] if recorded is not None and index < len(recorded) else None
     with paddle.no_grad():
         if entry is not None and "values" in entry:
@@ -371,7 +383,8 @@ def _fill_from(tensor, source: int, me: int, op: str) -> None:
             tensor.copy_(paddle.to_tensor(values), False)
         elif _is_float(tensor):
             tensor.copy_(paddle.ones(tensor.shape, tensor.dtype), False)
-        elif entry is not None:  # sent, too large to keep: a payload (a fused message's bytes), not a shape
+        elif entry is not None or payload:
+            # sent, too large to keep, or declared a payload (a fused message's bytes): not a shape
             tensor.copy_(paddle.zeros(tensor.shape, tensor.dtype), False)
         elif op == "recv":
             raise FakeWorldError(

@@ -67,7 +67,7 @@ def _compare_runs(work, script, nprocs, args):
         with open(str(work / "dry" / "probes" / f"probe.{rank}.json")) as f:
             fake[rank] = json.load(f)
     with open(report) as f:
-        return {"real": real, "fake": fake, "report": json.load(f), "stdout": proc.stdout}
+        return {"real": real, "fake": fake, "report": json.load(f), "stdout": proc.stdout, "stderr": proc.stderr}
 
 
 @pytest.fixture(scope="module")
