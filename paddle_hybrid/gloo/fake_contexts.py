@@ -40,8 +40,8 @@ import re
 
 from . import plt
 
-__all__ = ["METHODS", "apply", "assumed", "count", "entries", "merged", "next_seq", "paused", "ranks_of_key", "replay", "sent", "slots",
-           "unconfirmed"]
+__all__ = ["METHODS", "apply", "assumed", "count", "entries", "merged", "next_seq", "paused", "ranks_of_key",
+           "replay", "sent", "slots", "unconfirmed"]
 
 # The GlooCommContext methods replaced, with their parameters as the C++ runtime spells Paddle's
 # (a slot whose function takes others is left alone).
