@@ -116,3 +116,19 @@ def test_unbacked_allocates_nothing():
     tensor = ops.unbacked([1024, 1024], paddle.float32)
     assert list(tensor.shape) == [1024, 1024] and tensor.dtype == paddle.float32
     assert core.host_memory_stat_current_value("Allocated", 0) - before < 1024  # the 0-element 'like' only
+
+
+def test_the_dry_run_fails_on_a_contradicted_shape(tmp_path, capsys):
+    """What the dry run does with those records once every rank has run: a shape the sender's run
+    contradicts is said, naming the pair, and fails the dry run."""
+    from paddle_hybrid.dryrun import cli
+
+    records = tmp_path / "records"
+    records.mkdir()
+    pair = "ReshardGroup/0/1|1->0"
+    (records / "assumed_cpp.0.json").write_text(json.dumps([{"pair": pair, "index": 0, "dims": [4, 32], "dtype": 10}]))
+    (records / "sent_cpp.1.json").write_text(json.dumps([{"pair": pair, "dims": [4, 32], "dtype": 10}]))
+    assert not cli._shapes_contradicted(str(tmp_path))
+    (records / "sent_cpp.1.json").write_text(json.dumps([{"pair": pair, "dims": [8, 32], "dtype": 10}]))
+    assert cli._shapes_contradicted(str(tmp_path))
+    assert f"message 0 on {pair} had dims [4, 32]" in capsys.readouterr().out
