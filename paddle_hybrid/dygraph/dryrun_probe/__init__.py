@@ -215,8 +215,12 @@ def _kept(tensor):
     saved activations stay alive: Paddle 3.2-3.3 with an identity pack hook grows by a step's
     activations every step (a tiny LLaMA's stage 0: 0.04 GiB allocated after each update without the
     hook, 0.07, 0.10, 0.14, 0.17 GiB with it), and the probe measured each step's peak over the last
-    step's activations.  ``detach()`` shares the storage and drops the history."""
-    return tensor.detach()
+    step's activations.  ``detach()`` shares the storage and drops the history; ``stop_gradient`` is
+    the tensor's own (a ``PyLayer`` gets the unpacked tensor itself: fleet's recompute asks its saved
+    inputs whether they need a gradient, and ``detach()`` would say no)."""
+    kept = tensor.detach()
+    kept.stop_gradient = tensor.stop_gradient
+    return kept
 
 
 class _NoLocalValue:
