@@ -36,7 +36,9 @@ import contextlib
 import ctypes
 import functools
 import json
+import os
 import re
+import warnings
 
 from . import plt
 
@@ -109,7 +111,11 @@ def apply(patcher, fake: bool, store_port: int = 0, timeout: float = 900) -> str
         raise RuntimeError("paddle_hybrid: the C++ comm contexts were replaced twice in one process")
     ok, why = plt.available()
     if not ok:
-        raise RuntimeError(f"paddle_hybrid: C++ comm contexts cannot be replaced here: {why}")
+        if fake:  # a fake world without them would wait on its first C++ collective's peers
+            raise RuntimeError(f"paddle_hybrid: the fake world needs the C++ comm contexts replaced: {why}")
+        warnings.warn(f"paddle_hybrid: C++ collectives are not logged here ({why}): the probe's log holds the "
+                      "Python ones only", RuntimeWarning, stacklevel=2)
+        return f"C++ collectives not logged: {why}"
     library = _library()
     names = (*METHODS, _CREATE, _STORE) if fake else (*METHODS, _CREATE)
     _STATE["applied"] = _point_slots(patcher, library, names)
@@ -125,7 +131,6 @@ def apply(patcher, fake: bool, store_port: int = 0, timeout: float = 900) -> str
 
 def _point_slots(patcher, library, names) -> int:
     from .kernels import _callers, _phi_core
-    import os
 
     phi = ctypes.CDLL(_phi_core())  # the loaded library again: it defines them, for the originals
     count = 0
