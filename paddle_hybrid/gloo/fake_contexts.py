@@ -186,7 +186,7 @@ def ranks_of_key(key: str, size: int) -> list | None:
     if key.isdigit():
         from paddle.distributed import collective
 
-        group = collective._get_group_map().get(int(key))
+        group = collective._group_map.get(int(key))  # not _get_group_map(): it would add a world group
         if group is not None and group.nranks == size:
             return list(group.ranks)
         return list(range(size)) if key == "0" else None

@@ -19,6 +19,10 @@ import subprocess
 import sys
 
 from paddle_hybrid.testing import launch
+import pytest
+
+# CI's 3.2.2 lane only (tests/conftest.py): how classes are derived does not depend on Paddle's version
+pytestmark = pytest.mark.one_lane
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT = os.path.join(ROOT, "examples", "gpt_pp.py")
