@@ -42,6 +42,9 @@ from paddle_hybrid.dygraph.balanced_routing import balanced_indices
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "paddleformers_fixes"))
 from test_paddleformers_llama import paddleformers_version  # noqa: E402,F401  (the fixture: skip / fail / ok)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from worker_paddleformers_families import prefer_experts_0_and_1  # noqa: E402  (shared with the worker)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 TOKENS, EXPERTS, TOP_K, HIDDEN = 10, 4, 2, 8
@@ -62,16 +65,6 @@ def balanced(request, plugin_restored, paddleformers_version):
 
 def _positive_input(tokens=TOKENS, hidden=HIDDEN):
     return paddle.to_tensor(np.abs(np.random.default_rng(0).normal(size=(tokens, hidden))).astype("float32") + 0.1)
-
-
-def _to_experts_0_and_1(weight, experts_axis):
-    """A gate weight trained to prefer expert 0, then 1 (for positive inputs)."""
-    columns = np.zeros(EXPERTS, np.float32)
-    columns[:2] = [1.0, 0.5]
-    shape = [1, 1]
-    shape[experts_axis] = EXPERTS
-    with paddle.no_grad():
-        weight.set_value(paddle.to_tensor(np.broadcast_to(columns.reshape(shape), weight.shape).copy()))
 
 
 def _expected(on):
@@ -109,7 +102,7 @@ def _tiny_gpt_oss():
 def test_gpt_oss_router(balanced):
     model = _tiny_gpt_oss()
     router = model.model.layers[0].mlp.router
-    _to_experts_0_and_1(router.weight, 0)  # [experts, hidden]
+    prefer_experts_0_and_1(router.weight, 0)  # [experts, hidden]
     with paddle.no_grad():
         router.bias.set_value(paddle.zeros_like(router.bias))
     x = _positive_input(hidden=32)
@@ -131,7 +124,7 @@ def test_gpt_oss_model_step(balanced):
     model = _tiny_gpt_oss()
     model.train()
     for layer in model.model.layers:
-        _to_experts_0_and_1(layer.mlp.router.weight, 0)
+        prefer_experts_0_and_1(layer.mlp.router.weight, 0)
     ids = paddle.to_tensor(np.arange(TOKENS).reshape(2, TOKENS // 2) % 64)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -152,7 +145,7 @@ def _pretrained_gate(method):
                              norm_topk_prob=True)
     gate.weight = paddle.create_parameter([HIDDEN, EXPERTS], "float32")  # as Qwen3MoeGate's
     gate.e_score_correction_bias = paddle.zeros([EXPERTS], "float32")  # noaux_tc's, as DeepSeek-V3's gate
-    _to_experts_0_and_1(gate.weight, 1)
+    prefer_experts_0_and_1(gate.weight, 1)
     return gate
 
 
@@ -189,7 +182,7 @@ def _standard_gate(method):
                            moe_subbatch_token_num_before_dispatch=0, tensor_model_parallel_size=1,
                            sequence_parallel=False, moe_expert_capacity_factor=0.0, moe_token_drop_policy="probs",
                            transpose_gate_weight=False)
-    _to_experts_0_and_1(gate.weight, 1)
+    prefer_experts_0_and_1(gate.weight, 1)
     return gate
 
 
