@@ -153,6 +153,8 @@ setup(
     packages=find_packages(include=["paddle_hybrid", "paddle_hybrid.*"]),
     python_requires=">=3.9",
     install_requires=["numpy"],
+    # the step-time estimate's measured tables (python -m paddle_hybrid.plan)
+    package_data={"paddle_hybrid.plan": ["tables/*.json", "tables/*.csv"]},
     ext_modules=[ops_extension(), prefix_store_extension()],
     cmdclass={"build_ext": BuildOps.with_options(no_python_abi_suffix=True)},
     zip_safe=False,

@@ -5,7 +5,7 @@
   below them;
 * the **layers below** the features (``config``, ``ops``, ``registry``: what a feature declares;
   ``common``; ``gloo``: the backend) import no feature and nothing above the features;
-* **above** the features: ``catalog`` (lists and installs them), ``launch``, ``testing``, ``dryrun``.
+* **above** the features: ``catalog`` (lists and installs them), ``launch``, ``testing``, ``dryrun``, ``plan``.
 
 An import is read statically (``import a.b``, ``from a import b``, relative forms); a module
 loaded from a string would be invisible here.  The package loads by name in one place only, its
@@ -22,7 +22,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "paddle_hybrid"
 FEATURE_PARENTS = ("dygraph", "static")
 STANDALONE_FEATURES = ("cpu_blas",)
 BELOW = ("config", "ops", "registry", "common", "gloo")
-ABOVE = ("catalog", "launch", "testing", "dryrun")
+ABOVE = ("catalog", "launch", "testing", "dryrun", "plan")
 
 
 def unit_of(module: str):

@@ -4,13 +4,16 @@ module speaks it in.
 An op of a schedule is an :class:`Action`: its :class:`Kind` (forward or backward), its micro-batch
 and, in an interleaved (virtual pipeline) schedule, its model chunk.  It prints compactly, ``F3``,
 ``B0``, ``F3.c1``, and :meth:`Action.from_str` reads that form back, so orders, labels and error
-messages all name an op the same way.  The users:
+messages all name an op the same way.  The orders are the ones fleet runs on a stage:
+:func:`one_f_one_b` (``PipelineParallel``), :func:`interleaved` (``PipelineParallelWithInterleave``)
+and :func:`f_then_b` (every forward, then every backward).  The users:
 
 * the static pipeline maps actions onto its job types
   (:func:`paddle_hybrid.static.static_pipeline.schedule.job_order`);
 * the timeline turns its compute events into actions for labels and order checks
   (:func:`paddle_hybrid.dygraph.timeline._events.compute_action`);
-* the ideal timelines simulate these orders (:mod:`paddle_hybrid.testing.ideal_timeline`).
+* the ideal timelines simulate these orders (:mod:`paddle_hybrid.testing.ideal_timeline`), and so
+  does the step-time simulator (:func:`paddle_hybrid.plan.simulate.simulate`).
 
 Callers check their arguments (each with the words of its own API); the order functions only order.
 """
@@ -20,7 +23,7 @@ import enum
 import re
 from typing import NamedTuple, Optional
 
-__all__ = ["Kind", "Action", "FORWARD", "BACKWARD", "one_f_one_b", "f_then_b"]
+__all__ = ["Kind", "Action", "FORWARD", "BACKWARD", "one_f_one_b", "interleaved", "f_then_b"]
 
 
 class Kind(str, enum.Enum):
@@ -93,6 +96,56 @@ def one_f_one_b(num_stages: int, num_micro: int, stage: int) -> list[Action]:
     for k in range(num_micro - warmup):
         order += [Action(FORWARD, warmup + k), Action(BACKWARD, k)]
     return order + _actions(BACKWARD, range(num_micro - warmup, num_micro))
+
+
+def _interleaved_chunk(step: int, num_stages: int, num_micro: int, num_chunks: int, kind: Kind) -> int:
+    """The chunk of virtual micro step ``step`` (fleet's ``_get_virtual_pp_rank``, without its
+    ``best_unbalanced_scheduler`` variant): the first ``num_micro % num_stages + num_stages``
+    steps run chunk 0, as many chunk 1, ... up to the last chunk; then groups of ``num_stages``
+    steps go round the chunks.  A backward step runs the chunks from the last one down."""
+    first = num_micro % num_stages + num_stages
+    if step < first * num_chunks:
+        chunk = step // first
+    else:
+        chunk = (step - first * num_chunks) % (num_stages * num_chunks) // num_stages
+    return chunk if kind is FORWARD else num_chunks - 1 - chunk
+
+
+def _interleaved_actions(kind: Kind, num_stages: int, num_micro: int, num_chunks: int) -> list[Action]:
+    """Every virtual micro step of ``kind`` as an action: its chunk, and as micro-batch the count of
+    earlier steps on that chunk (fleet's ``_forward_micro_step_counter`` / ``_backward_...``)."""
+    seen = [0] * num_chunks
+    actions = []
+    for step in range(num_micro * num_chunks):
+        chunk = _interleaved_chunk(step, num_stages, num_micro, num_chunks, kind)
+        actions.append(Action(kind, seen[chunk], chunk))
+        seen[chunk] += 1
+    return actions
+
+
+def interleaved(num_stages: int, num_micro: int, num_chunks: int, stage: int) -> list[Action]:
+    """Fleet's interleaved (virtual pipeline) 1F1B order of ``stage``, each action with its chunk.
+
+    ``PipelineParallelWithInterleave.forward_backward_pipeline`` (Paddle 3.2 and 3.3, the default
+    settings: neither ``best_unbalanced_scheduler`` nor the forward-backward overlap schedule,
+    which adds a warm-up step) runs ``num_micro * num_chunks`` virtual forward steps and as many
+    backward steps: ``2 * (num_stages - stage - 1) + (num_chunks - 1) * first`` warm-up forwards
+    (``first = num_micro % num_stages + num_stages``; all of them when that is more), then one
+    forward and one backward in turn, then the remaining backwards.  Forward step ``k`` runs chunk
+    ``k // first`` for ``k < first * num_chunks``, later chunk ``(k - first * num_chunks) %
+    (num_stages * num_chunks) // num_stages``; backward step ``k`` the mirror chunk
+    ``num_chunks - 1 - that``; each chunk takes its micro-batches in order.  Fleet builds this
+    schedule for ``num_chunks >= 2`` and ``num_micro >= 2 * num_stages`` (with fewer micro-batches
+    it runs every forward first); ``num_chunks == 1`` is not :func:`one_f_one_b` (twice the warm-up).
+    """
+    forwards = _interleaved_actions(FORWARD, num_stages, num_micro, num_chunks)
+    backwards = _interleaved_actions(BACKWARD, num_stages, num_micro, num_chunks)
+    first = num_micro % num_stages + num_stages
+    warmup = min(2 * (num_stages - stage - 1) + (num_chunks - 1) * first, len(forwards))
+    order = forwards[:warmup]
+    for k in range(len(forwards) - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[len(forwards) - warmup:]
 
 
 def f_then_b(num_micro: int) -> list[Action]:

@@ -1,8 +1,12 @@
-"""The schedule vocabulary: Action's compact form and its parser, the 1F1B and F-then-B orders,
-and the static pipeline's jobs and the timeline's labels printing the same ops the same way."""
+"""The schedule vocabulary: Action's compact form and its parser, the 1F1B, interleaved and
+F-then-B orders (the interleaved one against the schedule fleet's own class writes out), and the
+static pipeline's jobs and the timeline's labels printing the same ops the same way."""
+import itertools
+import types
+
 import pytest
 
-from paddle_hybrid.common.schedule import BACKWARD, FORWARD, Action, Kind, f_then_b, one_f_one_b
+from paddle_hybrid.common.schedule import BACKWARD, FORWARD, Action, Kind, f_then_b, interleaved, one_f_one_b
 from paddle_hybrid.dygraph.timeline import recorder
 from paddle_hybrid.dygraph.timeline._events import compute_action, compute_label
 from paddle_hybrid.dygraph.timeline.bubble import compute_order
@@ -78,6 +82,63 @@ def test_one_f_one_b_4_stages_8_micro(stage):
 
 def test_one_f_one_b_with_fewer_micro_batches_than_warm_up():
     assert _text(one_f_one_b(4, 2, 0)) == "F0 F1 B0 B1"
+
+
+# Fleet's interleaved order, 4 stages, 8 micro-batches, 2 chunks (as fleet's timeline of a real run
+# records it, tests/plan/test_simulate.py): stage s warms up with 2 * (3 - s) + 4 forwards (chunk 0's
+# first four micro-batches, chunk 1's, then chunk 0 again), alternates, then drains the backwards,
+# which run the chunks from the last one down.
+EXPECTED_INTERLEAVED_4x8x2 = {
+    0: "F0.c0 F1.c0 F2.c0 F3.c0 F0.c1 F1.c1 F2.c1 F3.c1 F4.c0 F5.c0 F6.c0 B0.c1 F7.c0 B1.c1 F4.c1 B2.c1 F5.c1 B3.c1 "
+       "F6.c1 B0.c0 F7.c1 B1.c0 B2.c0 B3.c0 B4.c1 B5.c1 B6.c1 B7.c1 B4.c0 B5.c0 B6.c0 B7.c0",
+    3: "F0.c0 F1.c0 F2.c0 F3.c0 F0.c1 B0.c1 F1.c1 B1.c1 F2.c1 B2.c1 F3.c1 B3.c1 F4.c0 B0.c0 F5.c0 B1.c0 F6.c0 B2.c0 "
+       "F7.c0 B3.c0 F4.c1 B4.c1 F5.c1 B5.c1 F6.c1 B6.c1 F7.c1 B7.c1 B4.c0 B5.c0 B6.c0 B7.c0",
+}
+
+
+@pytest.mark.parametrize("stage", sorted(EXPECTED_INTERLEAVED_4x8x2))
+def test_interleaved_4_stages_8_micro_2_chunks(stage):
+    assert _text(interleaved(4, 8, 2, stage)) == EXPECTED_INTERLEAVED_4x8x2[stage]
+
+
+def _fleet_interleaved_schedule(num_stages, num_micro, num_chunks, stage) -> list:
+    """The order ``PipelineParallelWithInterleave.forward_backward_pipeline`` writes out with
+    ``static_scheduler=True`` (``"f0_vp0;f1_vp0;...;b7_vp0;"``: it walks its schedule without
+    running the model), on an instance built without a model: only the attributes that walk
+    reads (Paddle 3.2.2 and 3.3.1), default settings (no overlap schedule, no
+    best_unbalanced_scheduler, no p2p overlap)."""
+    from paddle.distributed.fleet.meta_parallel.pipeline_parallel import PipelineParallelWithInterleave
+
+    pipeline = object.__new__(PipelineParallelWithInterleave)
+    no_hooks = types.SimpleNamespace(run_hook=lambda: None, reset_current_id=lambda: None)
+    pipeline.__dict__.update(
+        num_stages=num_stages, stage_id=stage, accumulate_steps=num_micro, micro_batch_size=1,
+        num_model_chunks=num_chunks, _virtual_pp_world_size=num_chunks, _virtual_pp_rank=0,
+        _real_pp_rank=stage, _real_pp_world_size=num_stages, _best_unbalanced_scheduler=False,
+        _forward_micro_step_counter={c: 0 for c in range(num_chunks)},
+        _backward_micro_step_counter={c: 0 for c in range(num_chunks)},
+        bubble_hooks=no_hooks, forward_hooks=None, backward_hooks=None, processed_steps=10**9,
+        _using_cache=True, _profiling=False, _overlap_p2p_comm=False, _use_batch_p2p_comm=False,
+        _enable_timer=False, _layers=types.SimpleNamespace(), _sync_overlap_grads=lambda: None,
+        _strategy=types.SimpleNamespace(hybrid_configs={
+            "pp_configs": types.SimpleNamespace(forward_backward_overlap_scheduler=False)}))
+    text = PipelineParallelWithInterleave.forward_backward_pipeline(pipeline, None, None, static_scheduler=True)
+    return [op for op in text.split(";") if op]
+
+
+def test_interleaved_is_the_schedule_fleet_writes_out():
+    """Every stage of 2-5 stages, 2-3 chunks, 2p .. 3p + 1 micro-batches (also those that are no
+    multiple of the stages, where chunk 0 takes the remainder first)."""
+    checked = 0
+    for num_stages, num_chunks in itertools.product(range(2, 6), (2, 3)):
+        for num_micro in range(2 * num_stages, 3 * num_stages + 2):
+            for stage in range(num_stages):
+                ours = [f"{str(a.kind).lower()}{a.micro}_vp{a.chunk}"
+                        for a in interleaved(num_stages, num_micro, num_chunks, stage)]
+                assert ours == _fleet_interleaved_schedule(num_stages, num_micro, num_chunks, stage), \
+                    (num_stages, num_micro, num_chunks, stage)
+                checked += 1
+    assert checked == 164
 
 
 def test_f_then_b():

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from paddle_hybrid.common.schedule import interleaved
 from paddle_hybrid.testing import launch
 from paddle_hybrid.dygraph.timeline import bubble, trace
 
@@ -111,6 +112,8 @@ def test_pp2_vp2_interleaved_timeline(repo_root, tmp_path):
             # a microbatch's backward on a chunk comes after its forward there
             pos = {(k, m, c): i for i, (k, m, c) in enumerate(order)}
             assert all(pos[("B", m, c)] > pos[("F", m, c)] for m in range(4) for c in (0, 1))
+            # and action for action fleet's interleaved order (pp4 in tests/plan/test_simulate.py)
+            assert order == interleaved(2, 4, 2, rank), (rank, step, order)
     assert bubble.overlapping_compute(events) == []
     row = info["bubble"][next(iter(info["bubble"]))]
     assert row["theoretical"] == pytest.approx(1 / (2 * 4 + 1))  # (p-1)/(v*m+p-1)

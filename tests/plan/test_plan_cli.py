@@ -1,0 +1,90 @@
+"""``python -m paddle_hybrid.plan``: layouts spelled and refused by name, what it cannot price refused before any
+pricing, a ranked table and its JSON."""
+import json
+import os
+
+import pytest
+
+from paddle_hybrid.plan import cli
+from paddle_hybrid.plan.layout import Layout, enumerate_layouts, parse
+from paddle_hybrid.plan.model import PRESETS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPT_PP = os.path.join(ROOT, "examples", "gpt_pp.py")
+
+
+def test_layout_spellings():
+    assert parse("tp4pp8vp2dp4mb1rcsel") == Layout(tp=4, pp=8, vp=2, dp=4, mbs=1, recompute="sel")
+    assert parse("sp8pp4") == Layout(tp=8, pp=4, sp=True)
+    assert parse("tp2pp2sharding4s2mb2") == Layout(tp=2, pp=2, sharding=4, stage=2, mbs=2)
+    for text in ("tp4pp8dp4", "sp8pp4vp2mb1rcfull", "tp2pp2sharding4s2mb2"):
+        assert parse(text).name() == text
+
+
+@pytest.mark.parametrize("text,words", [("tp4pq2", "cannot read 'pq2'"), ("tp2vp2", "vp needs pp"),
+                                        ("tp2rcsome", "cannot read"), ("tp2sp2", "given twice"),
+                                        ("tp2pp2dp2s2", "only sharding takes a stage")])
+def test_bad_layouts_are_named(text, words):
+    with pytest.raises(ValueError, match=words):
+        parse(text)
+
+
+def test_enumeration_keeps_only_what_the_model_divides():
+    model = PRESETS["llama3-8b"]
+    layouts = enumerate_layouts(model, 64, 128, 8)
+    assert layouts and all(layout.gpus == 64 for layout in layouts)
+    assert all(model.layers % (layout.pp * layout.vp) == 0 and model.kv_heads % layout.tp == 0 for layout in layouts)
+    assert all(128 % (layout.replicas * layout.mbs) == 0 for layout in layouts)
+    assert not any(layout.tp > 8 for layout in layouts)
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_refuses_a_gpu_without_tables(capsys):
+    code, _, err = run(capsys, "--gpus", "8", "--gpu", "v100", "--global-batch", "8", "--model", "llama3-8b")
+    assert code == 2 and "no tables for this GPU" in err and "a100-80g" in err
+
+
+def test_refuses_a_global_batch_the_layout_does_not_divide(capsys):
+    code, _, err = run(capsys, "--gpus", "8", "--gpu", "h100", "--global-batch", "6", "--model", "llama3-8b",
+                       "--layouts", "tp2dp4")
+    assert code == 2 and "global batch 6 does not divide over 4 data-parallel replicas" in err
+
+
+def test_refuses_a_layout_of_other_gpus_and_a_split_the_model_cannot_take(capsys):
+    code, _, err = run(capsys, "--gpus", "8", "--gpu", "h100", "--global-batch", "8", "--model", "llama3-8b",
+                       "--layouts", "tp2dp2")
+    assert code == 2 and "uses 4 GPUs" in err
+    code, _, err = run(capsys, "--gpus", "48", "--gpu", "h100", "--global-batch", "48", "--model", "llama3-8b",
+                       "--layouts", "tp16pp3")
+    assert code == 2 and "kv heads 8 do not divide over tp 16" in err
+
+
+def test_ranks_the_layouts_of_a_gpt_pp_script_and_writes_json(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    code, text, _ = run(capsys, "--gpus", "8", "--gpu", "h200", "--global-batch", "16", "--json", str(out),
+                        GPT_PP, "--hidden", "1024", "--heads", "16", "--layers", "8", "--seq-len", "1024",
+                        "--vocab", "32768")
+    assert code == 0, text
+    assert "an ESTIMATE" in text and "priced as the GPU job" in text
+    data = json.loads(out.read_text())
+    times = [row["step_time_s"] for row in data["layouts"] if row["fits"]]
+    assert times == sorted(times) and len(times) > 20
+    first = data["layouts"][0]
+    assert set(first) >= {"layout", "step_time_s", "fits", "peak_bytes_per_gpu", "mfu", "tokens_per_s", "breakdown"}
+    assert first["layout"] in text
+
+
+def test_given_layouts_take_the_fastest_completion(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    code, text, _ = run(capsys, "--gpus", "64", "--gpu", "h100", "--global-batch", "64", "--model", "llama3-8b",
+                        "--json", str(out), "--layouts", "tp8pp2dp4,tp4pp4dp4mb1rcfull")
+    assert code == 0
+    rows = {row["layout"]: row for row in json.loads(out.read_text())["layouts"]}
+    assert "tp4pp4dp4mb1rcfull" in rows
+    completed = [name for name in rows if name.startswith("tp8pp2dp4")]
+    assert len(completed) == 1 and "mb" in completed[0] and "rc" in completed[0]
