@@ -16,6 +16,15 @@ there); on GPUs it runs as usual with NCCL.  Launch it with
 With ``--sep`` (segment parallel) each rank holds one part of every sequence and attention
 gathers the whole sequence's keys and values (:class:`SegmentParallel`).
 
+The shapes of published GPT runs: ``--vocab N`` (default: the character corpus's; any other size
+trains on synthetic token data, :class:`SyntheticData`, and rank 0 says so at start), ``--ffn N``
+(the MLP's hidden size, default 4 x ``--hidden``, a multiple of ``--mp``) and ``--recompute
+[full|selective|none]``: ``full`` (also a bare ``--recompute``) recomputes every block in backward,
+``selective`` only each block's attention core, softmax(QK^T)V, as Megatron's selective recompute,
+both through fleet's ``recompute_hybrid`` and so in every layout:
+
+    python -m paddle.distributed.launch --nproc_per_node 2 examples/gpt_pp.py --pp 1 --mp 2 --vocab 50257 --recompute selective
+
 The model: token embedding shared between the first and the last stage
 (``SharedLayerDesc``, tied LM head), ``--layers`` pre-LayerNorm transformer blocks,
 final LayerNorm.  With ``--mp`` the embedding is vocab-parallel, attention and MLP are
@@ -23,8 +32,8 @@ column/row parallel (heads split over the mp ranks) and the loss is fleet's
 ``ParallelCrossEntropy``.  Every weight is drawn from NumPy by (seed, layer, name) and
 sliced for the rank, so any layout starts from the same model and, without dropout,
 trains to the same losses as one process (up to float summation order).  The data: a character-level corpus generated deterministically
-from ``--seed`` (no download).  Rank 0 prints one line per step; at the end a
-summary, a JSON log and, when matplotlib is installed, a loss-curve PNG.
+from ``--seed`` (no download), or synthetic tokens for another ``--vocab``.  Rank 0 prints one
+line per step; at the end a summary, a JSON log and, when matplotlib is installed, a loss-curve PNG.
 """
 from __future__ import annotations
 
@@ -81,13 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sep", type=int, default=1,
                    help="segment-parallel degree: each rank holds 1/sep of every sequence; attention gathers the "
                         "keys and values of the whole sequence (fleet's sep_degree)")
-    g.add_argument("--recompute", action="store_true",
-                   help="recompute every block in backward (PipelineLayer(recompute_interval=1))")
+    g.add_argument("--recompute", nargs="?", const="full", default="none", choices=("full", "selective", "none"),
+                   help="recompute in backward: 'full' (also a bare --recompute) every block "
+                        "(PipelineLayer(recompute_interval=1)); 'selective' only each block's attention core, "
+                        "softmax(QK^T)V, as Megatron's selective recompute (the linears' activations are kept), "
+                        "through the same fleet recompute_hybrid; 'none' nothing")
     g.add_argument("--micro-batch-size", type=int, default=8, help="sequences per microbatch")
     g.add_argument("--accumulate-steps", type=int, default=4, help="microbatches per step")
     g = p.add_argument_group("model and data")
     g.add_argument("--layers", type=int, default=4, help="transformer blocks")
     g.add_argument("--hidden", type=int, default=128, help="hidden size")
+    g.add_argument("--ffn", type=int, default=None,
+                   help="the MLP's hidden size (default: 4 x --hidden); a multiple of --mp")
+    g.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size (default: the character corpus's); any other size trains on synthetic "
+                        "token data (seeded, the same on every rank and layout), ids < N")
     g.add_argument("--heads", type=int, default=4, help="attention heads")
     g.add_argument("--seq-len", type=int, default=128, help="sequence length (characters)")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
@@ -123,6 +140,9 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
             raise ArgError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
     if not 0.0 <= args.dropout < 1.0:
         raise ArgError(f"--dropout must be in [0, 1), got {args.dropout}.")
+    for name in ("ffn", "vocab"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ArgError(f"--{name} must be >= 1, got {getattr(args, name)}.")
     if args.hidden % args.heads:
         raise ArgError(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}).")
     chunks = args.pp * args.vp
@@ -145,6 +165,12 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
     if args.mp > 1 and args.heads % args.mp:
         raise ArgError(f"--heads ({args.heads}) must be a multiple of --mp ({args.mp}): each tensor-parallel rank "
                        "computes whole heads.")
+    ffn = ffn_size(args)
+    if args.mp > 1 and ffn % args.mp:
+        lower, upper = ffn // args.mp * args.mp, -(-ffn // args.mp) * args.mp
+        fix = f"--ffn {lower} or --ffn {upper}" if lower else f"--ffn {upper}"
+        raise ArgError(f"--ffn ({ffn}) must be a multiple of --mp ({args.mp}): each tensor-parallel rank holds an "
+                       f"equal slice of the MLP; use {fix}, or an --mp that divides {ffn}.")
     if args.seq_len % args.sep:
         raise ArgError(f"--seq-len ({args.seq_len}) must be a multiple of --sep ({args.sep}): each segment-parallel "
                        "rank holds an equal part of every sequence.")
@@ -176,6 +202,11 @@ def validate(args: argparse.Namespace, world_size: int | None = None) -> argpars
             f"with --nproc_per_node {procs} or change --pp/--mp/--dp/--sharding/--sep."
         )
     return args
+
+
+def ffn_size(args) -> int:
+    """The MLP's hidden size: ``--ffn``, or 4 x ``--hidden`` when it is not given."""
+    return args.ffn if args.ffn is not None else 4 * args.hidden
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -227,6 +258,59 @@ class CharData:
         x = np.stack([self.ids[s : s + self.seq_len] for s in starts])
         y = np.stack([self.ids[s + 1 : s + self.seq_len + 1] for s in starts])
         return x, y
+
+
+class SyntheticData:
+    """Synthetic token ids in ``[0, vocab_size)`` for a ``--vocab`` the corpus does not have: every
+    sequence is a Markov chain (each token followed by a fixed successor, one seeded permutation of
+    the vocabulary, with probability 3/4, else by a fresh token drawn with Zipf-like frequencies), so
+    the loss can fall.  A step's global batch is drawn from (seed, step) alone: the same on every rank
+    and in every layout, as :class:`CharData`'s."""
+
+    FOLLOW = 0.75
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        rng = np.random.default_rng([seed, 7])
+        self.successor = rng.permutation(vocab_size).astype("int64")
+        self.ranked = rng.permutation(vocab_size).astype("int64")  # the i-th most frequent fresh token
+        cdf = np.cumsum(1.0 / np.arange(1, vocab_size + 1))
+        self.cdf = cdf / cdf[-1]
+        self._vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def _fresh(self, rng, shape):
+        ranks = np.minimum(np.searchsorted(self.cdf, rng.random(shape), side="right"), self._vocab_size - 1)
+        return self.ranked[ranks]
+
+    def global_batch(self, step: int, batch: int):
+        rng = np.random.default_rng([self.seed, 7, step])
+        ids = np.empty((batch, self.seq_len + 1), dtype="int64")
+        ids[:, 0] = self._fresh(rng, batch)
+        follow = rng.random((batch, self.seq_len)) < self.FOLLOW
+        fresh = self._fresh(rng, (batch, self.seq_len))
+        for t in range(self.seq_len):
+            ids[:, t + 1] = np.where(follow[:, t], self.successor[ids[:, t]], fresh[:, t])
+        return ids[:, :-1], ids[:, 1:]
+
+
+def training_data(args):
+    """(the data, a line saying why it is synthetic, or None): the character corpus (``--corpus-file`` or
+    the generated one), unless ``--vocab`` names another size than the corpus's, then :class:`SyntheticData`."""
+    if args.corpus_file:
+        with open(args.corpus_file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = make_corpus(args.corpus_chars, args.seed)
+    data = CharData(text, args.seq_len, args.seed)
+    if args.vocab is None or args.vocab == data.vocab_size:
+        return data, None
+    note = (f"--vocab {args.vocab} is not the size of the character corpus ({data.vocab_size}): training on "
+            f"synthetic token data (ids < {args.vocab}, seeded by --seed {args.seed}, the same on every rank and "
+            f"layout)")
+    return SyntheticData(args.vocab, args.seq_len, args.seed), note
 
 
 # --------------------------------------------------------------------------- model
@@ -316,6 +400,7 @@ def build_model(args, vocab_size: int, topology, hcg):
     from paddle.distributed.fleet.layers.mpu import mp_ops
     from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer, SharedLayerDesc
     from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+    from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
     from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
     mp, mp_rank = hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()
@@ -324,7 +409,9 @@ def build_model(args, vocab_size: int, topology, hcg):
     vocab = padded_vocab(vocab_size)
     if vocab % mp:
         raise ArgError(f"--mp ({mp}) must divide the padded vocabulary ({vocab}); use 1, 2, 4 or 8.")
-    h, layers = args.hidden, args.layers
+    h, layers, ffn = args.hidden, args.layers, ffn_size(args)
+    # fleet's hybrid recompute: full (PipelineLayer, every block) and selective (each attention core) alike
+    recompute_ctx = {"mp_group": hcg.get_model_parallel_group(), "offload": False, "partition": False}
     out_std = 0.02 / math.sqrt(2 * layers)
 
     def load(param, full, split=None):
@@ -386,13 +473,13 @@ def build_model(args, vocab_size: int, topology, hcg):
             self.ln1, self.ln2 = layer_norm(), layer_norm()
             self.qkv = column(h, 3 * h, gather_output=False, has_bias=True)
             self.proj = row(h, h, input_is_parallel=True, has_bias=True)
-            self.fc1 = column(h, 4 * h, gather_output=False, has_bias=True)
-            self.fc2 = row(4 * h, h, input_is_parallel=True, has_bias=True)
+            self.fc1 = column(h, ffn, gather_output=False, has_bias=True)
+            self.fc2 = row(ffn, h, input_is_parallel=True, has_bias=True)
             load(self.qkv.weight, _qkv_columns_by_head(_normal(args.seed, key("qkv"), (h, 3 * h), 0.02), args.heads),
                  "cols")
             load(self.proj.weight, _normal(args.seed, key("proj"), (h, h), out_std), "rows")
-            load(self.fc1.weight, _normal(args.seed, key("fc1"), (h, 4 * h), 0.02), "cols")
-            load(self.fc2.weight, _normal(args.seed, key("fc2"), (4 * h, h), out_std), "rows")
+            load(self.fc1.weight, _normal(args.seed, key("fc1"), (h, ffn), 0.02), "cols")
+            load(self.fc2.weight, _normal(args.seed, key("fc2"), (ffn, h), out_std), "rows")
             for lin in (self.qkv, self.proj, self.fc1, self.fc2):
                 lin.bias.set_value(np.zeros(lin.bias.shape, "float32"))
 
@@ -405,13 +492,24 @@ def build_model(args, vocab_size: int, topology, hcg):
             q, k, v = qkv.reshape([b, t, nh, 3, hd]).transpose([3, 0, 2, 1, 4])
             # with segment parallel: this rank's queries against the whole sequence's keys and values
             k, v = sep.whole_sequence(k, axis=2), sep.whole_sequence(v, axis=2)
-            att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(hd)
+            if args.recompute == "selective":  # keep q, k, v; the [b, heads, t, t] tensors again in backward
+                y = pp_layers.recompute_hybrid(recompute_ctx, self.core, q, k, v)
+            else:
+                y = self.core(q, k, v)
+            y = y.transpose([0, 2, 1, 3]).reshape([b, t, nh * hd])
+            return self.proj(y.transpose([1, 0, 2]) if sp else y)
+
+        @staticmethod
+        def core(q, k, v):
+            """The attention core, softmax(QK^T / sqrt(d))V, causal, with dropout on the probabilities:
+            q [b, heads, t, d] against k, v [b, heads, t_whole, d]; what ``--recompute selective`` recomputes."""
+            t = q.shape[2]
+            att = paddle.matmul(q, k, transpose_y=True) / math.sqrt(q.shape[3])
             # causal: query i (at sequence position start + i) sees keys 0 .. start + i
             mask = paddle.triu(paddle.full([t, k.shape[2]], float("-inf"), dtype=att.dtype),
                                diagonal=1 + sep.offset(t))
             att = mp_dropout(F.softmax(att + mask, axis=-1))
-            y = paddle.matmul(att, v).transpose([0, 2, 1, 3]).reshape([b, t, nh * hd])
-            return self.proj(y.transpose([1, 0, 2]) if sp else y)
+            return paddle.matmul(att, v)
 
         def forward(self, x):
             x = x + replicated_dropout(self.attention(x))
@@ -453,9 +551,8 @@ def build_model(args, vocab_size: int, topology, hcg):
         kwargs["num_virtual_pipeline_stages"] = args.vp
     loss_fn = LMLoss()
     model = PipelineLayer(layers=descs, topology=topology, loss_fn=loss_fn, seg_method="layer:BlockPipe",
-                          use_cudagraph=args.cudagraph, recompute_interval=1 if args.recompute else 0,
-                          recompute_ctx={"mp_group": hcg.get_model_parallel_group(), "offload": False,
-                                         "partition": False}, **kwargs)
+                          use_cudagraph=args.cudagraph, recompute_interval=1 if args.recompute == "full" else 0,
+                          recompute_ctx=recompute_ctx, **kwargs)
     if sp:
         spu.register_sequence_parallel_allreduce_hooks(model, args.accumulate_steps, False)
     return model, loss_fn
@@ -508,10 +605,11 @@ def save_plot(path: str, losses: list) -> bool:
 
 
 def layout_tag(args) -> str:
-    """File name stem of a run: ``pp2_vp1_dp1`` plus what is on (``_mp2_sp``, ``_rc``, ...)."""
+    """File name stem of a run: ``pp2_vp1_dp1`` plus what is on (``_mp2_sp``, ``_rc`` / ``_rcsel``, ...)."""
     tag = f"pp{args.pp}_vp{args.vp}" + (f"_mp{args.mp}" if args.mp > 1 else "")
     tag += ("_sp" if args.sequence_parallel else "") + f"_dp{args.dp}" + (f"_sep{args.sep}" if args.sep > 1 else "")
-    for flag, suffix in (("recompute", "_rc"), ("fuse_allreduce", "_fused"), ("cudagraph", "_graph")):
+    tag += {"full": "_rc", "selective": "_rcsel"}.get(args.recompute, "")
+    for flag, suffix in (("fuse_allreduce", "_fused"), ("cudagraph", "_graph")):
         tag += suffix if getattr(args, flag) else ""
     return tag
 
@@ -585,12 +683,9 @@ def main(argv=None) -> dict:
     replicas, replica, data_groups = data_parallel_layout(args, hcg)
     sep_rank = hcg.get_sep_parallel_rank() if args.sep > 1 else 0
 
-    if args.corpus_file:
-        with open(args.corpus_file, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = make_corpus(args.corpus_chars, args.seed)
-    data = CharData(text, args.seq_len, args.seed)
+    data, synthetic_note = training_data(args)
+    if rank == 0 and synthetic_note:
+        print(f"gpt_pp: {synthetic_note}", flush=True)
 
     model, loss_fn = build_model(args, data.vocab_size, hcg.topology(), hcg)
     sched = paddle.optimizer.lr.LinearWarmup(
@@ -615,8 +710,9 @@ def main(argv=None) -> dict:
         print(f"gpt_pp: pp={args.pp} vp={args.vp} mp={args.mp}{' +sp' if args.sequence_parallel else ''} "
               f"dp={args.dp} sharding={args.sharding}{f' sep={args.sep}' if args.sep > 1 else ''}"
               f"{f' (stage {args.sharding_stage})' if args.sharding > 1 else ''}"
-              f"{' recompute' if args.recompute else ''} | {args.layers} blocks, hidden {args.hidden}, "
-              f"vocab {data.vocab_size}, {n_params} params on stage 0 | {args.accumulate_steps} microbatches x "
+              f"{'' if args.recompute == 'none' else ' recompute=' + args.recompute} | {args.layers} blocks, "
+              f"hidden {args.hidden}, ffn {ffn_size(args)}, vocab {data.vocab_size}, {n_params} params on stage 0 | "
+              f"{args.accumulate_steps} microbatches x "
               f"{args.micro_batch_size} x {args.seq_len} tokens per DP rank | fuse_allreduce={args.fuse_allreduce} "
               f"cudagraph={args.cudagraph}", flush=True)
 
@@ -646,6 +742,8 @@ def main(argv=None) -> dict:
         "args": vars(args),
         "world_size": world,
         "vocab_size": data.vocab_size,
+        "ffn": ffn_size(args),
+        "synthetic_data": synthetic_note is not None,
         "losses": losses,
         "step_times": step_times,
         "first_loss": losses[0],

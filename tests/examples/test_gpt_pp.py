@@ -68,3 +68,30 @@ def test_recompute_with_dropout_is_exact(repo_root, tmp_path):
     flags = ["--pp", "2", "--mp", "2", "--dropout", "0.1"]
     plain = _losses(repo_root, tmp_path, 4, *flags)
     np.testing.assert_array_equal(_losses(repo_root, tmp_path, 4, *flags, "--recompute"), plain)
+
+
+def test_selective_recompute_is_exact(repo_root, tmp_path):
+    """``--recompute selective`` (the attention core, softmax(QK^T)V, through fleet's recompute_hybrid)
+    at TP=2 with dropout: the recompute redraws the attention-probability masks (model-parallel RNG),
+    so the losses equal the run without recompute bitwise.  The core ran twice per block and
+    microbatch (forward, backward: 2 x 2 blocks x 2 microbatches x 3 steps), and never without it."""
+    flags = SHORT + ["--out-dir", str(tmp_path / "out"), "--pp", "1", "--mp", "2", "--dropout", "0.1", "--steps", "3"]
+    worker = os.path.join(repo_root, "tests", "examples", "gpt_pp_recompute_counter.py")
+    plain = launch(worker, nprocs=2, args=flags, timeout=300)
+    selective = launch(worker, nprocs=2, args=flags + ["--recompute", "selective"], timeout=300)
+    assert [r["recomputed"] for r in plain] == [0, 0]
+    assert [r["recomputed"] for r in selective] == [24, 24]
+    for p, s in zip(plain, selective):
+        np.testing.assert_array_equal(np.array(s["losses"]), np.array(p["losses"]))
+
+
+def test_vocab_and_ffn_train_like_one_process(repo_root, tmp_path):
+    """``--vocab 1000 --ffn 96`` (synthetic tokens, a 96-wide MLP) at TP=2 gives the single-process
+    losses (rtol 1e-5, as the layouts above)."""
+    flags = ["--vocab", "1000", "--ffn", "96", "--steps", "3"]
+    out = launch(os.path.join(repo_root, "examples", "gpt_pp.py"), nprocs=1, timeout=300,
+                 args=SHORT + ["--out-dir", str(tmp_path / "out"), "--pp", "1"] + flags)
+    assert (out[0]["summary"]["vocab_size"], out[0]["summary"]["ffn"]) == (1000, 96)
+    one = np.array(out[0]["losses"])
+    assert abs(one[0] - np.log(1000)) < 0.5, one  # the loss of a 1000-way guess: the vocabulary is 1000
+    np.testing.assert_allclose(_losses(repo_root, tmp_path, 2, "--pp", "1", "--mp", "2", *flags), one, rtol=1e-5)

@@ -82,3 +82,79 @@ def test_corpus_is_deterministic_and_learnable(gpt):
     assert data.vocab_size < 40
     with pytest.raises(ValueError, match="fewer than --seq-len"):
         gpt.CharData("abc", seq_len=16, seed=0)
+
+
+def test_recompute_takes_a_granularity(gpt):
+    """``--recompute`` alone is full recompute (as before); ``selective`` recomputes the attention core."""
+    assert parse(gpt, world=2).recompute == "none"
+    assert parse(gpt, "--recompute", world=2).recompute == "full"
+    args = parse(gpt, "--recompute", "--pp", "1", "--dp", "2", world=2)  # a flag after it is not its value
+    assert (args.recompute, args.pp, args.dp) == ("full", 1, 2)
+    assert parse(gpt, "--recompute", "selective", world=2).recompute == "selective"
+    assert parse(gpt, "--recompute=none", world=2).recompute == "none"
+    assert gpt.layout_tag(parse(gpt, world=2)) == "pp2_vp1_dp1"
+    assert gpt.layout_tag(parse(gpt, "--recompute", world=2)) == "pp2_vp1_dp1_rc"
+    assert gpt.layout_tag(parse(gpt, "--recompute", "selective", world=2)) == "pp2_vp1_dp1_rcsel"
+    with pytest.raises(SystemExit):
+        gpt.build_parser().parse_args(["--recompute", "attention"])
+
+
+def test_ffn_and_vocab_flags(gpt):
+    args = parse(gpt, world=2)
+    assert (args.vocab, args.ffn, gpt.ffn_size(args)) == (None, None, 4 * 128)  # the defaults: as before
+    args = parse(gpt, "--pp", "1", "--mp", "2", "--ffn", "96", "--vocab", "50257", world=2)
+    assert (args.ffn, gpt.ffn_size(args), args.vocab) == (96, 96, 50257)
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--pp", "1", "--mp", "4", "--ffn", "90"], 4,
+     r"--ffn \(90\) must be a multiple of --mp \(4\).*--ffn 88 or --ffn 92"),
+    (["--ffn", "0"], 2, "--ffn must be >= 1"),
+    (["--vocab", "0"], 2, "--vocab must be >= 1"),
+])
+def test_bad_ffn_or_vocab_names_the_flag(gpt, argv, world, message):
+    with pytest.raises(gpt.ArgError, match=message):
+        parse(gpt, *argv, world=world)
+
+
+def test_bad_ffn_stops_the_script_like_argparse():
+    """On the command line: argparse's usage-error form, exit 2, the flag and the fix named."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="2", PADDLE_TRAINERS_NUM="2")
+    proc = subprocess.run([sys.executable, SCRIPT, "--pp", "1", "--mp", "2", "--ffn", "97"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "gpt_pp.py: error: --ffn (97) must be a multiple of --mp (2)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_new_flags_keep_the_tools_reading_the_script():
+    """``python -m paddle_hybrid.verify`` / ``dryrun`` read the script by AST: the layout flags are a literal
+    of known keys and the new flags' defaults are literals."""
+    from paddle_hybrid.common.script_kind import argument_defaults, script_flags
+    from paddle_hybrid.verify.layouts import FLAG_KEYS
+
+    with open(SCRIPT) as f:
+        source = f.read()
+    assert set(script_flags(source)) <= set(FLAG_KEYS)
+    assert argument_defaults(source, ["--vocab", "--ffn", "--recompute", "--hidden"]) == \
+        {"--vocab": None, "--ffn": None, "--recompute": "none", "--hidden": 128}
+
+
+def test_vocab_picks_the_data(gpt):
+    """The corpus's own size (or no --vocab) keeps the character data; another size trains on
+    synthetic tokens, the same for every rank and call, ids < --vocab, labels the next token."""
+    small = ["--corpus-chars", "5000", "--seq-len", "16"]
+    data, note = gpt.training_data(parse(gpt, *small, world=2))
+    assert isinstance(data, gpt.CharData) and note is None
+    data, note = gpt.training_data(parse(gpt, *small, "--vocab", str(data.vocab_size), world=2))
+    assert isinstance(data, gpt.CharData) and note is None
+    args = parse(gpt, *small, "--vocab", "1000", world=2)
+    data, note = gpt.training_data(args)
+    assert data.vocab_size == 1000 and "synthetic" in note and "--vocab 1000" in note
+    x, y = data.global_batch(step=3, batch=8)
+    x2, y2 = gpt.training_data(args)[0].global_batch(step=3, batch=8)
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(y, y2)
+    assert x.shape == (8, 16) and x.dtype == np.int64
+    assert x.min() >= 0 and max(x.max(), y.max()) < 1000
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    assert not np.array_equal(x, data.global_batch(step=4, batch=8)[0])
