@@ -107,12 +107,15 @@ def best_of(model, layout, clus, tables, global_batch, fw):
     return min(fitting, key=lambda e: e.step_time_s) if fitting else min(found, key=lambda e: e.peak_bytes_per_gpu)
 
 
-def _measured_error():
+def _measured_error(clus):
+    """The error measured on unseen runs most like this job: the multi-node set for a job beyond one node,
+    the one-node set otherwise; None without a record."""
     try:
         with open(VALIDATION) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            sets = json.load(f)["sets"]
+    except (OSError, ValueError, KeyError):
         return None
+    return sets.get("korthikanti" if clus.nodes > 1 else "vtrain")
 
 
 def _gib(n):
@@ -186,14 +189,15 @@ def main(argv=None) -> int:
         priced = [estimate(model, layout, clus, tables, args.global_batch, fw) for layout in layouts]
     # 4. rank and report
     priced.sort(key=lambda e: (not e.fits, e.step_time_s))
-    error = _measured_error()
+    error = _measured_error(clus)
     tie = error["mean_abs_error"] if error else None
     print(f"{model.name}: {model.params / 1e9:.2f} B parameters, seq {model.seq}, global batch {args.global_batch}, "
           f"{args.gpus} x {gpu.name} ({clus.gpus_per_node} a node, {clus.memory_bytes / 1e9:.0f} GB); {GPU_JOB}")
     print(f"an ESTIMATE: {len(priced)} layouts priced, {sum(e.fits for e in priced)} fit; "
-          + (f"measured error on runs it was not fitted to: mean {error['mean_abs_error'] * 100:.1f} %, worst "
-             f"{error['worst_abs_error'] * 100:.1f} % ({error['what']}); layouts within the mean error of the best "
-             "marked tie" if error else "no measured error on record (benchmarks/bench_plan.py writes it)"))
+          + (f"its error on {error['runs']} measured runs it was not fitted to, {error['what']}: mean "
+             f"{error['mean_abs_error'] * 100:.1f} %, worst {error['worst_abs_error'] * 100:.1f} %; layouts within "
+             "the mean error of the best are marked tie" if error else
+             "no measured error on record (benchmarks/bench_plan.py --fit --write-validation writes it)"))
     for note in sorted({n for e in priced for n in e.notes}):
         print(f"note: {note}")
     _print_table(priced, args.top, tie)

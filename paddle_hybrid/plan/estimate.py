@@ -31,7 +31,7 @@ __all__ = ["Framework", "FRAMEWORKS", "Estimate", "estimate"]
 # The two knobs not read from a table: fitted by ``benchmarks/bench_plan.py --fit`` on the even rows of vTrain's
 # 1440 measured A100 runs (docs/plan.md: the fit and the error on the rows and sets it did not see).  Paddle's
 # dygraph is given Megatron's (PyTorch eager) values: not measured.
-FITTED = {"launch_s": 0.0, "collective_latency_s": 0.0}
+FITTED = {"launch_s": 100e-6, "collective_latency_s": 50e-6}
 
 
 @dataclasses.dataclass(frozen=True)
