@@ -4,16 +4,20 @@ Runs with PyTorch alone (no Paddle: the estimate prices kernels, and cuBLAS / fl
 the libraries both frameworks call), so a user can measure their own GPU with the same script and hand
 the JSON to ``python -m paddle_hybrid.plan --gpu-table FILE``.  What it measures:
 
+* ``host``: the host's cost of issuing a kernel from PyTorch eager;
 * ``gemm``: bf16 matrix products ``[m, k] x [k, n]`` on a grid of powers of two, in the three layouts a
-  linear layer's forward and backward run (``nn``: x @ W; ``nt``: dY @ W^T; ``tn``: X^T @ dY), and
+  linear layer's forward and backward run (``nn``: x @ W; ``nt``: dY @ W^T; ``tn``: X^T @ dY);
+  ``gemm_fine``: a finer grid (powers of two and 1.5 x powers of two, 512-32768) over real layers' shapes; and
   ``gemm_check``: shapes off the grid (transformer shapes), kept out of the table so the estimate's
   interpolation error is measured on shapes it was not built from;
 * ``attention``: flash attention (``scaled_dot_product_attention`` on the flash backend), forward and
-  forward + backward, by (batch x heads, sequence, head dim, causal);
+  forward + backward, by (batch x heads, sequence, head dim, causal); ``attention_cudnn``: the same on
+  cuDNN's fused attention;
 * ``membw``: a copy and an add by bytes moved (what every memory-bound op is priced by);
 * ``adamw``: the fused AdamW step by parameter count (float32 master weights and moments);
-* ``steps``: whole training steps of GPT models in bf16 with flash attention and AdamW, timed, with
-  their peak memory: the end-to-end truth the estimate is checked against on this GPU;
+* ``steps``, ``steps_llama``: whole training steps of GPT and LLaMA-style models (RMSNorm, grouped-query
+  attention with rotary embeddings, SwiGLU) in bf16 with flash attention and AdamW, timed, with their peak
+  memory: the end-to-end truth the estimate is checked against on this GPU;
 * ``collectives``: with 2 or more visible GPUs, NCCL all-reduce / all-gather / reduce-scatter / p2p by
   bytes (one process a GPU).
 
@@ -132,8 +136,9 @@ def measure_gemm_check(budget):
     return rows
 
 
-def measure_attention(budget):
+def measure_attention(budget, backend="flash"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     rows = []
     for d in (64, 128):
         for causal in (True, False):
@@ -145,7 +150,7 @@ def measure_attention(budget):
                         return rows
                     q, k, v = (torch.randn(1, bh, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                                for _ in range(3))
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    with sdpa_kernel(kernel):
                         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                         grad = torch.randn_like(out)
 
@@ -160,8 +165,31 @@ def measure_attention(budget):
                         tf = timed(fwd)
                         tfb = timed(fwd_bwd)
                     rows.append(dict(bh=bh, s=s, d=d, causal=causal, fwd_s=tf, bwd_s=max(tfb - tf, 0.0),
-                                     fwd_bwd_s=tfb))
+                                     fwd_bwd_s=tfb, backend=backend))
                     del q, k, v, out, grad
+    return rows
+
+
+def measure_attention_cudnn(budget):
+    """The same grid on cuDNN's fused attention (what Transformer Engine / Megatron-Core call on Hopper)."""
+    return measure_attention(budget, backend="cudnn")
+
+
+# A finer grid (powers of two and 1.5 x powers of two) over the shapes of real layers: the lookup takes it where a
+# shape falls inside it, the coarse grid elsewhere.
+FINE = sorted([2 ** p for p in range(9, 16)] + [3 * 2 ** p for p in range(8, 14)])
+
+
+def measure_gemm_fine(budget):
+    rows = []
+    for layout in ("nn", "nt", "tn"):
+        for m in FINE:
+            for n in FINE:
+                for k in FINE:
+                    if budget.over(f"gemm_fine {layout} {m}x{n}x{k}"):
+                        return rows
+                    rows.append(gemm_point(m, n, k, layout))
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -241,6 +269,94 @@ class Block(torch.nn.Module):
         return self.body(x)
 
 
+class RMSNorm(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(h))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LlamaBlock(torch.nn.Module):
+    """LLaMA's block: RMSNorm, grouped-query attention with rotary embeddings (flash, GQA native), SwiGLU."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h, self.heads, self.kv = cfg["hidden"], cfg["heads"], cfg["kv_heads"]
+        self.d, self.recompute = h // self.heads, cfg["recompute"]
+        self.norm1, self.norm2 = RMSNorm(h), RMSNorm(h)
+        self.qkv = torch.nn.Linear(h, h + 2 * self.kv * self.d, bias=False)
+        self.proj = torch.nn.Linear(h, h, bias=False)
+        self.gate_up = torch.nn.Linear(h, 2 * cfg["ffn"], bias=False)
+        self.down = torch.nn.Linear(cfg["ffn"], h, bias=False)
+
+    def attention(self, q, k, v):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def body(self, x, cos, sin):
+        b, s, h = x.shape
+        qkv = self.qkv(self.norm1(x))
+        q, k, v = qkv.split([h, self.kv * self.d, self.kv * self.d], dim=-1)
+        q = rotate(q.view(b, s, self.heads, self.d).transpose(1, 2), cos, sin)
+        k = rotate(k.view(b, s, self.kv, self.d).transpose(1, 2), cos, sin)
+        v = v.view(b, s, self.kv, self.d).transpose(1, 2)
+        if self.recompute == "selective":
+            o = torch.utils.checkpoint.checkpoint(self.attention, q, k, v, use_reentrant=False)
+        else:
+            o = self.attention(q, k, v)
+        x = x + self.proj(o.transpose(1, 2).reshape(b, s, h))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def forward(self, x, cos, sin):
+        if self.recompute == "full":
+            return torch.utils.checkpoint.checkpoint(self.body, x, cos, sin, use_reentrant=False)
+        return self.body(x, cos, sin)
+
+
+class Llama(torch.nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg["hidden"]
+        self.emb, self.head = torch.nn.Embedding(cfg["vocab"], h), torch.nn.Linear(h, cfg["vocab"], bias=False)
+        self.blocks = torch.nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg["layers"]))
+        self.norm = RMSNorm(h)
+        d = h // cfg["heads"]
+        angle = torch.outer(torch.arange(cfg["seq"]).float(), 1e4 ** (-torch.arange(0, d, 2).float() / d))
+        self.register_buffer("cos", torch.cat((angle, angle), -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((angle, angle), -1).sin(), persistent=False)
+
+    def forward(self, tokens, labels):
+        x = self.emb(tokens)
+        cos, sin = self.cos.to(torch.bfloat16), self.sin.to(torch.bfloat16)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+LLAMA_STEP_MODELS = [
+    dict(hidden=2048, heads=16, kv_heads=4, ffn=5632, layers=16, seq=4096, mbs=1, micro=4, vocab=32000,
+         recompute="none"),
+    dict(hidden=3072, heads=24, kv_heads=8, ffn=8192, layers=16, seq=4096, mbs=2, micro=4, vocab=32000,
+         recompute="none"),
+    dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=8, seq=8192, mbs=1, micro=2, vocab=128256,
+         recompute="full"),
+    dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=12, seq=4096, mbs=1, micro=4, vocab=128256,
+         recompute="selective"),
+    dict(hidden=4096, heads=32, kv_heads=8, ffn=11008, layers=8, seq=4096, mbs=2, micro=2, vocab=32000,
+         recompute="none"),
+]
+
+
 class GPT(torch.nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -257,11 +373,11 @@ class GPT(torch.nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def measure_step(cfg):
+def measure_step(cfg, family=None):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     with torch.device("cuda"):  # built on the GPU: a CPU initialisation of billions of parameters takes minutes
-        model = GPT(cfg)
+        model = (family or GPT)(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = torch.randint(0, cfg["vocab"], (cfg["micro"], cfg["mbs"], cfg["seq"] + 1), device="cuda", generator=gen)
@@ -277,7 +393,7 @@ def measure_step(cfg):
 
     t = timed(step, warm=2, reps=2)
     params = sum(p.numel() for p in model.parameters())
-    row = dict(cfg, params=params, step_time_s=t, peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+    row = dict(cfg, family="llama" if family is Llama else "gpt", params=params, step_time_s=t, peak_allocated_bytes=torch.cuda.max_memory_allocated(),
                peak_reserved_bytes=torch.cuda.max_memory_reserved(), gpus=1, tp=1, pp=1, dp=1,
                precision="bf16 autocast (fp32 weights and grads), fused AdamW, flash attention (sdpa)")
     del model, opt
@@ -349,8 +465,22 @@ def measure_collectives(budget):
 
 # --------------------------------------------------------------------------- main
 
+def measure_steps_llama(budget):
+    rows = []
+    for cfg in LLAMA_STEP_MODELS:
+        if budget.over(f"llama step {cfg}"):
+            return rows
+        try:
+            rows.append(measure_step(cfg, Llama))
+        except Exception as exc:  # an OOM or an unsupported kernel: recorded, not fatal
+            rows.append(dict(cfg, family="llama", error=f"{type(exc).__name__}: {exc}"[:300]))
+    return rows
+
+
 PARTS = {"host": measure_host, "gemm": measure_gemm, "gemm_check": measure_gemm_check, "attention": measure_attention,
          "membw": measure_membw, "adamw": measure_adamw, "steps": measure_steps,
+         "steps_llama": measure_steps_llama, "attention_cudnn": measure_attention_cudnn,
+         "gemm_fine": measure_gemm_fine,
          "collectives": measure_collectives}
 
 
@@ -385,8 +515,8 @@ def main(argv=None):
     result["meta"]["cut_by_budget"] = budget.cut[:1]
     with open(args.out, "w") as f:
         json.dump(result, f)
-    if "steps" in result:
-        for row in result["steps"]:
+    for part in ("steps", "steps_llama"):
+        for row in result.get(part, []):
             print({k: row.get(k) for k in ("hidden", "layers", "seq", "mbs", "recompute", "step_time_s",
                                            "peak_allocated_bytes", "error")})
 

@@ -6,7 +6,8 @@ Sets (nothing end-to-end is fitted; the estimate uses only kernel tables measure
 * ``korthikanti``: Korthikanti et al. 2022 Table 5, 8 iteration times of GPT 22B-1T on 8-512 A100s,
   Megatron-LM, full recompute and selective recompute + sequence parallelism (``../shared/steptime``);
 * ``vtrain``: vTrain's 1440 measured iterations of small GPTs on 2-8 A100s of one node (Megatron-DeepSpeed);
-* ``h200``: the training steps ``benchmarks/bench_gpu_tables.py`` timed on one H200, with their peak memory.
+* ``h200``: the training steps (GPT and LLaMA-style) ``benchmarks/bench_gpu_tables.py`` timed on one H200, with
+  their peak memory.
 
 Per set: mean and worst relative error of the step time, pairwise order accuracy over pairs of layouts
 of one model and batch whose measured times differ by more than 10 %, and the top-1 regret (the measured
@@ -72,11 +73,16 @@ def h200(table_path):
     with open(table_path) as f:
         data = json.load(f)
     runs = []
-    for r in data.get("steps", []):
-        if "error" in r:
+    for r in data.get("steps", []) + data.get("steps_llama", []):
+        if r.get("error"):
             continue
-        model = Transformer(f"gpt-h{r['hidden']}-l{r['layers']}", r["hidden"], r["heads"], r["layers"], r["seq"],
-                            r["vocab"], attention="flash", dropout=False)
+        if r.get("family") == "llama":
+            model = Transformer(f"llama-h{r['hidden']}-l{r['layers']}", r["hidden"], r["heads"], r["layers"], r["seq"],
+                                r["vocab"], ffn=r["ffn"], kv_heads=r["kv_heads"], gated=True, rmsnorm=True,
+                                tied=False, dropout=False)
+        else:
+            model = Transformer(f"gpt-h{r['hidden']}-l{r['layers']}", r["hidden"], r["heads"], r["layers"], r["seq"],
+                                r["vocab"], attention="flash", dropout=False)
         rc = {"none": "none", "selective": "sel", "full": "full"}[r["recompute"]]
         runs.append(dict(set="h200", gpu="h200", gpus=1, model=model, layout=Layout(mbs=r["mbs"], recompute=rc),
                          gbs=r["mbs"] * r["micro"], measured_s=r["step_time_s"],

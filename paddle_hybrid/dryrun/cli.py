@@ -10,7 +10,7 @@ import time
 
 from ..common.script_kind import argument_defaults, kind_of, script_flags
 from ..gloo import fake_contexts
-from . import checks, classes, gpu_estimate, report, runner
+from . import checks, classes, gpu_estimate, gpu_step, report, runner
 
 __all__ = ["main", "build_parser"]
 
@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=float, default=80.0,
                    help="GB of the job's GPUs: the GPU estimate's share of it is printed (an estimate, see "
                         "docs/dryrun.md)")
+    p.add_argument("--gpu", default=None,
+                   help="also price the job's step on this GPU (a100-80g, h100, h200): per stage and for the job, an "
+                        "estimate (docs/plan.md)")
+    p.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="with --gpu: the network's Gbit/s per GPU (default: the GPU's preset)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -90,7 +95,15 @@ def main(argv=None) -> int:
             "schedule_microbatches": schedule_microbatches, "measured_microbatches": args.measure_microbatches,
             "schedule_virtual_stages": degrees["vp"], "measured_virtual_stages": 1 if one_chunk else degrees["vp"],
             "errors": [e.as_json() for e in errors], "rank_classes": [], "notes": _notes(one_chunk)}
+    if args.gpu and not errors:  # priced before any run: what cannot be priced is said at once
+        try:
+            base["gpu_step"] = gpu_step.price(script, args.args, kind, degrees, schedule_microbatches, args.gpu,
+                                              args.nnodes, args.nproc_per_node, args.gpu_memory,
+                                              args.inter_node_gbps)
+        except (ValueError, OSError) as exc:
+            errors.append(checks.ConfigError("--gpu", f"{exc}; drop --gpu to dry-run without the step's price"))
     if errors:
+        base["errors"] = [e.as_json() for e in errors]
         for e in errors:
             print(f"configuration error: {e.field}: {e.message}", flush=True)
         _finish(args, base, started)
@@ -189,6 +202,8 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
         run_ranks = {r for _, r in plan}
         base["not_run"] = [r for r in range(world_size) if r not in run_ranks]
     print(report.table(entries), flush=True)
+    if "gpu_step" in base:
+        print(gpu_step.table(base["gpu_step"]), flush=True)
     _finish(args, base, started)
     return EXIT_OK
 

@@ -13,7 +13,7 @@ from .estimate import FRAMEWORKS, estimate
 from .layout import RECOMPUTE, enumerate_layouts, parse
 from .model import PRESETS, from_config, from_gpt_pp_args
 
-__all__ = ["main", "build_parser", "model_of_script", "best_of", "check_layout"]
+__all__ = ["main", "build_parser", "model_of_script", "best_of", "check_layout", "measured_error"]
 
 EXIT_OK, EXIT_REFUSED = 0, 2
 VALIDATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables", "validation.json")
@@ -107,7 +107,7 @@ def best_of(model, layout, clus, tables, global_batch, fw):
     return min(fitting, key=lambda e: e.step_time_s) if fitting else min(found, key=lambda e: e.peak_bytes_per_gpu)
 
 
-def _measured_error(clus):
+def measured_error(clus):
     """The error measured on unseen runs most like this job: the multi-node set for a job beyond one node,
     the one-node set otherwise; None without a record."""
     try:
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         priced = [estimate(model, layout, clus, tables, args.global_batch, fw) for layout in layouts]
     # 4. rank and report
     priced.sort(key=lambda e: (not e.fits, e.step_time_s))
-    error = _measured_error(clus)
+    error = measured_error(clus)
     tie = error["mean_abs_error"] if error else None
     print(f"{model.name}: {model.params / 1e9:.2f} B parameters, seq {model.seq}, global batch {args.global_batch}, "
           f"{args.gpus} x {gpu.name} ({clus.gpus_per_node} a node, {clus.memory_bytes / 1e9:.0f} GB); {GPU_JOB}")

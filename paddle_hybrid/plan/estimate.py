@@ -45,6 +45,7 @@ class Framework:
     schedule: str = "1f1b"       # 1f1b | fthenb  (interleaved whenever vp > 1)
     cast_bytes: int = 0          # bytes a parameter moves each microbatch's forward (autocast's bf16 copy)
     accumulate_bytes: int = 0    # ... each microbatch's backward (a bf16 gradient added into a float32 one)
+    attention_backend: str = "flash"  # flash (FlashAttention-2) | cudnn (cuDNN fused attention)
     launch_s: float = 0.0        # the host's time to issue one kernel: no kernel takes less on the step's path
     collective_latency_s: float = 0.0  # fixed cost of a collective beyond its bytes (host, NCCL launch)
 
@@ -52,7 +53,8 @@ class Framework:
 FRAMEWORKS = {
     # Megatron-LM as Korthikanti et al. 2022 and vTrain ran it: tp fastest, then dp, then pp; async
     # tensor-parallel all-reduce; gradient all-reduce after the backward; scatter-gather pipeline messages.
-    "megatron": Framework("megatron", ("pp", "dp", "tp"), True, "never", True,
+    # Megatron-Core with Transformer Engine runs cuDNN's fused attention on Hopper.
+    "megatron": Framework("megatron", ("pp", "dp", "tp"), True, "never", True, attention_backend="cudnn",
                           launch_s=FITTED["launch_s"], collective_latency_s=FITTED["collective_latency_s"]),
     # fleet's hybrid topology (dp, pp, sharding, sep, mp: mp fastest); fleet's DataParallel reduces in buckets
     # during backward, its pipeline after the last microbatch; no async tensor-parallel all-reduce by default.
@@ -91,6 +93,7 @@ class Estimate:
 def _price(ops, tables, comm, tp_place, fw, overlap_dgrad):
     """{phase: (compute seconds, exposed tensor-parallel seconds)} of a list of records."""
     out = {}
+    backend = fw.attention_backend if tables.has_attention(fw.attention_backend) else "flash"
     # A linear's backward collective hides behind the other GEMM of its backward: the input gradient's all-reduce
     # (reduce-scatter) behind the weight gradient, SP's re-gathered input behind the input gradient.
     hiding = {}
@@ -103,7 +106,7 @@ def _price(ops, tables, comm, tp_place, fw, overlap_dgrad):
         if op.kind == "gemm":
             compute += max(tables.gemm(*op.shape), fw.launch_s)
         elif op.kind == "attention":
-            fwd, bwd = tables.attention(*op.shape, causal=True)
+            fwd, bwd = tables.attention(*op.shape, causal=True, backend=backend)
             compute += max(bwd if op.what.endswith(".bwd") else fwd, fw.launch_s)
         elif op.kind == "memory":
             compute += max(tables.memory_bound(op.shape[0]), fw.launch_s)
@@ -292,6 +295,8 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
                  "optimizer_s": slow["optimizer_s"]}
     if tables.scaled_from:
         notes.append(f"kernel tables scaled from {tables.scaled_from} to {cluster.gpu.name} by peak and HBM ratios")
+    if model.attention == "flash" and not tables.has_attention(fw.attention_backend):
+        notes.append(f"no '{fw.attention_backend}' attention in the GPU table: attention priced as FlashAttention-2")
     if comm.scaled:
         notes.append(f"NVLink curve scaled from 8 x A100 (nccl-tests) by NVLink bandwidth to {cluster.gpu.name}")
     memory = {k: int(v) for k, v in slow.items() if k.endswith("_bytes")}

@@ -67,39 +67,25 @@ class KernelTables:
         self.meta = data["meta"]
         self.scaled_from = scaled_from
         self.compute_scale, self.memory_scale = compute_scale, memory_scale
-        self._gemm = {}
+        self._gemm, self._gemm_fine = {}, {}
         self._floor = min(r["time_s"] for r in data["gemm"])
         for layout in _LAYOUTS:
-            rows = [r for r in data["gemm"] if r["layout"] == layout]
-            if not rows:
-                raise ValueError(f"GPU table {self.meta.get('gpu')}: no '{layout}' GEMMs")
-            axes = [sorted({r[k] for r in rows}) for k in ("m", "n", "k")]
-            values = {(r["m"], r["n"], r["k"]): math.log(2 * r["m"] * r["n"] * r["k"] / r["time_s"]) for r in rows}
-            missing = len(axes[0]) * len(axes[1]) * len(axes[2]) - len(values)
-            if missing:
-                raise ValueError(f"GPU table {self.meta.get('gpu')}: the '{layout}' GEMM grid lacks {missing} points "
-                                 "(was the benchmark cut by its budget? see meta.cut_by_budget)")
-            self._gemm[layout] = _Grid(axes, values)
-        self._attention = {}
-        for row in data.get("attention", []):
-            self._attention.setdefault((row["d"], bool(row["causal"])), []).append(row)
+            grid = self._gemm_grid([r for r in data["gemm"] if r["layout"] == layout])
+            if grid is None:
+                raise ValueError(f"GPU table {self.meta.get('gpu')}: the '{layout}' GEMM grid is missing or has "
+                                 "holes (was the benchmark cut by its budget? see meta.cut_by_budget)")
+            self._gemm[layout] = grid
+            fine = self._gemm_grid([r for r in data.get("gemm_fine", []) if r["layout"] == layout])
+            if fine is not None:  # an incomplete fine grid is left unused: the coarse one prices everything
+                self._gemm_fine[layout] = fine
         self._attention_grid = {}
-        for key, rows in self._attention.items():
-            axes = [sorted({r["bh"] for r in rows}), sorted({r["s"] for r in rows})]
-            flops = lambda r: 4 * r["bh"] * r["s"] ** 2 * key[0] * (0.5 if key[1] else 1.0)  # noqa: E731
-            have = {(r["bh"], r["s"]): r for r in rows}
-            # Fill the grid's holes (points the benchmark skipped for memory) from the nearest larger bh.
-            fwd, bwd = {}, {}
-            for bh in axes[0]:
-                for s in axes[1]:
-                    row = have.get((bh, s)) or next((have[(b2, s)] for b2 in reversed(axes[0]) if (b2, s) in have),
-                                                    None)
-                    if row is None:
-                        continue
-                    fwd[(bh, s)] = math.log(flops(row) / row["fwd_s"])
-                    bwd[(bh, s)] = math.log(2.5 * flops(row) / max(row["bwd_s"], 1e-9))
-            if len(fwd) == len(axes[0]) * len(axes[1]):
-                self._attention_grid[key] = (_Grid(axes, fwd), _Grid(axes, bwd))
+        for row in data.get("attention", []) + data.get("attention_cudnn", []):
+            self._attention_grid.setdefault((row.get("backend", "flash"), row["d"], bool(row["causal"])),
+                                            []).append(row)
+        for key, rows in list(self._attention_grid.items()):
+            self._attention_grid[key] = self._attention_rates(key[1:], rows)
+            if self._attention_grid[key] is None:
+                del self._attention_grid[key]
         membw = [r for r in data.get("membw", []) if r["op"] == "copy"]
         self._membw = _Grid([sorted(r["bytes_moved"] for r in membw)],
                             {(r["bytes_moved"],): math.log(r["bytes_moved"] / r["time_s"]) for r in membw}) if membw \
@@ -108,6 +94,41 @@ class KernelTables:
         adam = data.get("adamw", [])
         self._adamw = _Grid([sorted(r["numel"] for r in adam)],
                             {(r["numel"],): math.log(r["numel"] / r["time_s"]) for r in adam}) if adam else None
+
+    @staticmethod
+    def _gemm_grid(rows):
+        """The throughput grid of one layout's rows, or None when they do not fill a rectangular grid."""
+        if not rows:
+            return None
+        axes = [sorted({r[k] for r in rows}) for k in ("m", "n", "k")]
+        values = {(r["m"], r["n"], r["k"]): math.log(2 * r["m"] * r["n"] * r["k"] / r["time_s"]) for r in rows}
+        if len(axes[0]) * len(axes[1]) * len(axes[2]) != len(values):
+            return None
+        return _Grid(axes, values)
+
+    @staticmethod
+    def _attention_rates(key, rows):
+        """(forward, backward) throughput grids over (bh, s) of one (head dim, causal), or None with holes."""
+        axes = [sorted({r["bh"] for r in rows}), sorted({r["s"] for r in rows})]
+        flops = lambda r: 4 * r["bh"] * r["s"] ** 2 * key[0] * (0.5 if key[1] else 1.0)  # noqa: E731
+        have = {(r["bh"], r["s"]): r for r in rows}
+        # A point the benchmark skipped for memory (a large bh at a long sequence) takes the rate of the largest
+        # bh measured at that sequence: the kernel is saturated there already.
+        fwd, bwd = {}, {}
+        for bh in axes[0]:
+            for s in axes[1]:
+                row = have.get((bh, s)) or next((have[(b2, s)] for b2 in reversed(axes[0]) if (b2, s) in have),
+                                                None)
+                if row is None:
+                    continue
+                fwd[(bh, s)] = math.log(flops(row) / row["fwd_s"])
+                bwd[(bh, s)] = math.log(2.5 * flops(row) / max(row["bwd_s"], 1e-9))
+        if len(fwd) != len(axes[0]) * len(axes[1]):
+            return None
+        return _Grid(axes, fwd), _Grid(axes, bwd)
+
+    def has_attention(self, backend: str) -> bool:
+        return any(key[0] == backend for key in self._attention_grid)
 
     # ------------------------------------------------------------------ scaling
     def _compute(self, seconds: float, floor: float) -> float:
@@ -121,16 +142,21 @@ class KernelTables:
         """Seconds of a bf16 ``[m, k] x [k, n]`` product (``nt``: the second operand transposed, ``tn``: the first)."""
         if min(m, n, k) <= 0:
             return 0.0
-        rate = self._gemm[layout](m, n, k)
+        fine = self._gemm_fine.get(layout)
+        inside = fine is not None and all(axis[0] <= x <= axis[-1] for axis, x in zip(fine.axes, (m, n, k)))
+        rate = (fine if inside else self._gemm[layout])(m, n, k)
         return self._compute(2.0 * m * n * k / rate, self._floor)
 
-    def attention(self, bh: int, s: int, d: int, causal: bool = True) -> tuple:
-        """(forward, backward) seconds of flash attention over ``bh`` (batch x heads) sequences of ``s``."""
-        d_key = min((dd for dd, c in self._attention_grid if c == causal), key=lambda dd: abs(dd - d), default=None)
+    def attention(self, bh: int, s: int, d: int, causal: bool = True, backend: str = "flash") -> tuple:
+        """(forward, backward) seconds of fused attention (``flash``: FlashAttention-2 as PyTorch's flash backend
+        runs it; ``cudnn``: cuDNN's fused attention) over ``bh`` (batch x heads) sequences of ``s``; the nearest
+        measured head dimension's rate."""
+        d_key = min((dd for b, dd, c in self._attention_grid if c == causal and b == backend),
+                    key=lambda dd: abs(dd - d), default=None)
         if d_key is None:
-            raise ValueError("the GPU table has no flash-attention rows: measure them (bench_gpu_tables.py "
-                             "--only attention) or price attention unfused")
-        fwd_rate, bwd_rate = self._attention_grid[(d_key, causal)]
+            raise ValueError(f"the GPU table has no '{backend}' attention rows: measure them (bench_gpu_tables.py "
+                             "--only attention,attention_cudnn)")
+        fwd_rate, bwd_rate = self._attention_grid[(backend, d_key, causal)]
         flops = 4.0 * bh * s * s * d * (0.5 if causal else 1.0)
         return (self._compute(flops / fwd_rate(bh, s), self._floor),
                 self._compute(2.5 * flops / bwd_rate(bh, s), self._floor))

@@ -1,0 +1,93 @@
+"""The dry run's ``--gpu NAME``: the job's step priced on a named GPU cluster, per pipeline stage (each rank
+class is a stage's) and for the job, by the step-time estimate of ``python -m paddle_hybrid.plan``.
+
+The layout is the dry run's own (its degrees from the script's arguments), the micro-batch size, sequence
+parallelism and recompute read from the script's arguments as for its degrees, the model's sizes from its
+arguments or configuration (:func:`paddle_hybrid.plan.cli.model_of_script`).  The step's kernels are the
+estimate's records of a decoder of those sizes, written from the shapes: not the probe's record of what
+this script ran (said in the output).  A layout the estimate does not price (segment parallelism) is
+refused before any run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..common.script_kind import flag_value
+from ..plan import cli as plan_cli, hardware, tables as kernel_tables
+from ..plan.estimate import FRAMEWORKS, estimate
+from ..plan.layout import Layout
+
+__all__ = ["job_layout", "price", "table", "RECORDS_NOTE"]
+
+RECORDS_NOTE = ("GPU step: an ESTIMATE (python -m paddle_hybrid.plan's): kernels written from the model's sizes "
+                "(a LLaMA / GPT decoder), priced from tables measured on an H200; not the probe's record of this "
+                "script's kernels")
+_RECOMPUTE = {"none": "none", "full": "full", "selective": "sel", "core_attn": "sel", "full_attn": "full"}
+
+
+def _optional_value(args: list, flag: str, bare: str, absent: str) -> str:
+    """The value of an optional-argument flag (``nargs="?"``): ``--flag v`` / ``--flag=v``, ``bare`` when it is given
+    without one, ``absent`` when it is not given; the last one wins."""
+    found = absent
+    for i, a in enumerate(args):
+        if a == flag:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            found = bare if nxt is None or nxt.startswith("-") else nxt
+        elif a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+    return found
+
+
+def job_layout(kind: str, args: list, degrees: dict, microbatches):
+    """(Layout, global batch in sequences) of the script's own arguments; ValueError naming what it cannot take."""
+    if degrees.get("sep", 1) > 1:
+        raise ValueError(f"segment parallelism (sep {degrees['sep']}) is not priced by the step-time estimate")
+    if kind == "flags":
+        mbs = int(flag_value(args, "--micro-batch-size", 8))
+        sp = "--sequence-parallel" in args
+        recompute = _optional_value(args, "--recompute", bare="full", absent="none")
+    elif kind == "trainer":
+        mbs = int(flag_value(args, "--per_device_train_batch_size", 8))
+        sp = str(flag_value(args, "--sequence_parallel", "false")).lower() in ("1", "true")
+        on = str(flag_value(args, "--recompute", "false")).lower() in ("1", "true")
+        recompute = str(flag_value(args, "--recompute_granularity", "full")) if on else "none"
+    else:
+        raise ValueError("a plain fleet script's micro-batch size is not read from its arguments")
+    if recompute not in _RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r} is not priced (none, full, selective)")
+    layout = Layout(tp=degrees["mp"], pp=degrees["pp"], vp=degrees.get("vp", 1), dp=degrees["dp"],
+                    sharding=degrees["sharding"], sp=sp and degrees["mp"] > 1, mbs=mbs, recompute=_RECOMPUTE[recompute])
+    return layout, mbs * int(microbatches or 1) * layout.replicas
+
+
+def price(script: str, args: list, kind: str, degrees: dict, microbatches, gpu_name: str, nnodes: int,
+          nproc_per_node: int, gpu_memory_gb=None, inter_node_gbps=None) -> dict:
+    """The job's estimated step: ``{"gpu", "layout", "step_time_s", "tokens_per_s", "mfu", "stages": [...],
+    "error": measured error or None, "notes"}``; ValueError naming what it cannot price."""
+    gpu = hardware.gpu_named(gpu_name)
+    model = plan_cli.model_of_script(script, args)
+    layout, global_batch = job_layout(kind, args, degrees, microbatches)
+    clus = hardware.cluster(gpu, nnodes * nproc_per_node, nproc_per_node, inter_node_gbps, gpu_memory_gb)
+    model = dataclasses.replace(model, attention="flash")  # priced as the GPU job runs it
+    e = estimate(model, layout, clus, kernel_tables.load(gpu), global_batch, FRAMEWORKS["paddle"])
+    stages = [{k: s[k] for k in ("stage", "step_s", "compute_s", "tp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s",
+                                 "peak_bytes")} for s in e.per_stage]
+    return {"gpu": gpu.name, "layout": layout.name(), "global_batch": global_batch, "step_time_s": e.step_time_s,
+            "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "slowest_stage": e.slowest_stage, "stages": stages,
+            "error": plan_cli.measured_error(clus), "notes": [RECORDS_NOTE] + e.notes}
+
+
+def table(result: dict) -> str:
+    """The estimate as the dry run prints it."""
+    lines = [f"GPU step on {result['gpu']} ({result['layout']}, global batch {result['global_batch']}): "
+             f"{result['step_time_s']:.3f} s, {result['tokens_per_s']:.0f} tokens/s, MFU {result['mfu'] * 100:.1f} %"]
+    error = result.get("error")
+    lines.append("  an estimate; " + (f"its mean error on {error['runs']} unseen measured runs ({error['what']}): "
+                                      f"{error['mean_abs_error'] * 100:.1f} %, worst {error['worst_abs_error'] * 100:.1f} %"
+                                      if error else "no measured error on record"))
+    lines.append(f"  {'stage':>5} {'step s':>8} {'compute':>8} {'tp comm':>8} {'bubble':>8} {'dp comm':>8} {'optim':>8}")
+    for s in result["stages"]:
+        lines.append(f"  {s['stage']:>5} {s['step_s']:>8.3f} {s['compute_s']:>8.3f} {s['tp_comm_s']:>8.3f} "
+                     f"{s['bubble_s']:>8.3f} {s['dp_comm_s']:>8.3f} {s['optimizer_s']:>8.3f}")
+    lines += [f"  note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
