@@ -48,12 +48,12 @@ import numpy as np
 
 # How `python -m paddle_hybrid.verify` and `python -m paddle_hybrid.dryrun` give this script a layout: the flag of each degree, the
 # per-replica batch the verifier divides by the data-parallel replicas (so every layout trains one global batch),
-# the microbatches a step and the virtual pipeline stages.
+# the microbatches a step and the virtual pipeline stages; the optimizer steps (the dry run measures the second).
 PADDLE_HYBRID_LAYOUT_FLAGS = {"mp": "--mp", "pp": "--pp", "dp": "--dp", "sharding": "--sharding",
                               "sharding_stage": "--sharding-stage", "sep": "--sep",
                               "sp": "--sequence-parallel", "batch": "--micro-batch-size",
                               "accumulate": "--accumulate-steps", "vp": "--vp",
-                              "layers": "--layers", "heads": "--heads", "seq_len": "--seq-len"}
+                              "layers": "--layers", "heads": "--heads", "seq_len": "--seq-len", "steps": "--steps"}
 
 # --------------------------------------------------------------------------- arguments
 

@@ -28,8 +28,10 @@ from paddle import nn
 import paddle_hybrid  # noqa: F401  (gloo all-to-all, the CPU routing kernels)
 
 # How `python -m paddle_hybrid.verify` gives this script a layout (docs/verify.md): expert parallel over every
-# process (each also a data-parallel replica), the batch given for all replicas together, the experts ep divides.
-PADDLE_HYBRID_LAYOUT_FLAGS = {"ep": "--ep", "global_batch": "--global-batch", "experts": "--moe-experts"}
+# process (each also a data-parallel replica), the batch given for all replicas together, the experts ep divides;
+# the optimizer steps (`python -m paddle_hybrid.dryrun` measures the second).
+PADDLE_HYBRID_LAYOUT_FLAGS = {"ep": "--ep", "global_batch": "--global-batch", "experts": "--moe-experts",
+                              "steps": "--steps"}
 
 
 def parse_args(argv=None):

@@ -12,7 +12,11 @@ for a PaddleFormers Trainer script, the model's ``config.json`` (``--model_name_
 - pipeline stages (x virtual stages) do not divide the layers, or leave a stage without a layer;
 - fewer microbatches (gradient accumulation steps) than pipeline stages, which 1F1B needs; with a
   virtual pipeline, fewer than twice the stages or fewer than 3 stages, which Paddle's interleaved
-  schedule refuses (an assertion in the middle of the first step otherwise).
+  schedule refuses (an assertion in the middle of the first step otherwise);
+- fewer than 2 optimizer steps where the tool knows the flag (a Trainer's ``--max_steps``, a script's
+  ``steps`` in its ``PADDLE_HYBRID_LAYOUT_FLAGS``): the second step is the one measured.  A script can
+  still stop earlier than its flag says (its data, an exit): the dry run checks the steps each rank's
+  probe saw after its run as well (:func:`too_few_steps` words that refusal).
 
 A Trainer's virtual pipeline degree is its model's ``virtual_pipeline_model_parallel_size``
 (``config.json``: PaddleFormers 1.2's TrainingArguments has no flag for it), or the script's own
@@ -25,9 +29,14 @@ import os
 
 from ..common.script_kind import TRAINER_VP_FLAG, flag_value, script_value
 
-__all__ = ["ConfigError", "degrees_of", "check", "microbatches_of", "with_microbatches", "with_one_chunk"]
+__all__ = ["ConfigError", "degrees_of", "check", "microbatches_of", "with_microbatches", "with_one_chunk",
+           "MEASURED_STEP", "steps_flag", "given_steps", "too_few_steps"]
 
 TRAINER_MICROBATCHES = "--gradient_accumulation_steps"
+TRAINER_STEPS = "--max_steps"
+MEASURED_STEP = 2  # the optimizer step the probe measures: the first makes the optimizer state
+WHY_STEP_2 = ("the dry run measures activations and the steady-state peak in the second optimizer step (the first "
+              "makes the optimizer state)")
 
 
 class ConfigError:
@@ -167,7 +176,57 @@ def check(kind: str, args: list, flags: dict | None, world_size: int, nnodes: in
     if kind == "flags":
         errors += _flags_model(args, flags, defaults, degrees)
     errors += _interleaved(degrees, microbatches_of(kind, args, flags), kind)
+    errors += _steps(kind, args, flags, defaults)
     return degrees, errors
+
+
+def steps_flag(kind: str, flags: dict | None):
+    """The script's flag of its optimizer steps: a Trainer's ``--max_steps``, a ``flags`` script's ``steps``
+    (gpt_pp.py's ``--steps``); None: the tool does not know it (a plain fleet script)."""
+    if kind == "trainer":
+        return TRAINER_STEPS
+    if kind == "flags":
+        return (flags or {}).get("steps")
+    return None
+
+
+def given_steps(kind: str, args: list, flags: dict | None, defaults: dict | None = None):
+    """The optimizer steps the script's arguments ask for (given, else its parser's literal default), or None:
+    no flag known, not an integer, or a Trainer's ``--max_steps`` not positive (its epochs and data decide)."""
+    flag = steps_flag(kind, flags)
+    if flag is None:
+        return None
+    value = flag_value(args, flag) if kind == "trainer" else script_value(args, flags, "steps", defaults)
+    try:
+        steps = int(value)
+    except (TypeError, ValueError):
+        return None
+    return None if kind == "trainer" and steps <= 0 else steps
+
+
+def _steps(kind: str, args: list, flags: dict | None, defaults: dict | None) -> list:
+    steps = given_steps(kind, args, flags, defaults)
+    if steps is None or steps >= MEASURED_STEP:
+        return []
+    flag = steps_flag(kind, flags)
+    return [ConfigError(flag, f"{flag} = {steps}: {WHY_STEP_2}; give {flag} {MEASURED_STEP} or more")]
+
+
+def too_few_steps(kind: str, args: list, flags: dict | None, defaults: dict | None, seen: int) -> tuple:
+    """(field, message) of the refusal of a rank's run whose probe saw ``seen`` optimizer steps, fewer than
+    the measured one's number: the flag and the value to give where the tool knows the flag, and what the
+    arguments already asked for when that was enough (something else ended the script)."""
+    ended = f"the script ended after {seen} optimizer step{'' if seen == 1 else 's'}"
+    flag = steps_flag(kind, flags)
+    if flag is None:
+        return "optimizer steps", f"{ended}; {WHY_STEP_2}: run at least {MEASURED_STEP} optimizer steps"
+    fix = f"give {flag} {MEASURED_STEP} or more"
+    steps = given_steps(kind, args, flags, defaults)
+    if steps is not None and steps >= MEASURED_STEP:
+        fix += f" (it was given {flag} {steps}: something else ended it earlier, such as its data or an exit)"
+    elif kind == "trainer" and steps is None:
+        fix += " (without it, --num_train_epochs and the data decide)"
+    return flag, f"{ended}; {WHY_STEP_2}: {fix}"
 
 
 def _flags_model(args: list, flags: dict, defaults: dict | None, degrees: dict) -> list:

@@ -37,14 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each rank with this many microbatches a step instead of the script's, and compose the "
                         "activations the schedule keeps in flight with the script's own count (a model too large "
                         "to run its whole schedule here)")
-    p.add_argument("--gpu-memory", type=float, default=80.0,
+    p.add_argument("--gpu-memory", type=float, default=None,
                    help="GB of the job's GPUs: the GPU estimate's share of it is printed (an estimate, see "
-                        "docs/dryrun.md)")
+                        "docs/dryrun.md); default: --gpu's memory, else 80")
     p.add_argument("--gpu", default=None,
                    help="also price the job's step on this GPU (a100-80g, h100, h200): per stage and for the job, an "
                         "estimate (docs/plan.md)")
     p.add_argument("--inter-node-gbps", type=float, default=None,
                    help="with --gpu: the network's Gbit/s per GPU (default: the GPU's preset)")
+    p.add_argument("--png", default=None,
+                   help="draw each class's memory on the GPU to this PNG; with --gpu also the step per stage "
+                        "(<name>_step.png)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -69,6 +72,11 @@ def _chosen(spec: str, world_size: int):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.gpu_memory is None:  # the named GPU's own size, else an 80 GB part
+        try:
+            args.gpu_memory = gpu_step.memory_gb(args.gpu) if args.gpu else 80.0
+        except ValueError:
+            args.gpu_memory = 80.0  # an unknown --gpu is refused with the other configuration errors
     world_size = args.nnodes * args.nproc_per_node
     if world_size < 1:
         raise SystemExit("--nnodes and --nproc_per_node must be at least 1")
@@ -95,11 +103,13 @@ def main(argv=None) -> int:
             "schedule_microbatches": schedule_microbatches, "measured_microbatches": args.measure_microbatches,
             "schedule_virtual_stages": degrees["vp"], "measured_virtual_stages": 1 if one_chunk else degrees["vp"],
             "errors": [e.as_json() for e in errors], "rank_classes": [], "notes": _notes(one_chunk)}
+    step_estimate = None
     if args.gpu and not errors:  # priced before any run: what cannot be priced is said at once
         try:
-            base["gpu_step"] = gpu_step.price(script, args.args, kind, degrees, schedule_microbatches, args.gpu,
-                                              args.nnodes, args.nproc_per_node, args.gpu_memory,
-                                              args.inter_node_gbps)
+            base["gpu_step"], step_estimate = gpu_step.price(script, args.args, kind, degrees,
+                                                             schedule_microbatches, args.gpu, args.nnodes,
+                                                             args.nproc_per_node, args.gpu_memory,
+                                                             args.inter_node_gbps)
         except (ValueError, OSError) as exc:
             errors.append(checks.ConfigError("--gpu", f"{exc}; drop --gpu to dry-run without the step's price"))
     if errors:
@@ -113,8 +123,12 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     if one_chunk:  # the interleaved schedule cannot run one microbatch: measure the stage's layers as one chunk
         run_args = checks.with_one_chunk(kind, run_args, flags, work)
+
+    def too_few(seen):  # the refusal of a run that ended before the measured step, in the user's own flags
+        return checks.too_few_steps(kind, args.args, flags, defaults, seen)
+
     try:
-        return _run_all(args, script, run_args, world_size, chosen, work, base, started)
+        return _run_all(args, script, run_args, world_size, chosen, work, base, started, too_few, step_estimate)
     finally:
         if args.work is None:
             import shutil
@@ -128,14 +142,41 @@ def _run_rank(args, script, run_args, rank, world_size, work, label):
                            args.wall_limit, _say)
 
 
+def _stands(rank_class) -> str:
+    return f" (stands for ranks {classes.describe_ranks(rank_class.ranks)})" if rank_class else ""
+
+
+def _steps_seen(run) -> int:
+    return int((run.probe or {}).get("optimizer_steps", 0) or 0)
+
+
 def _failed(run, label, rank_class=None) -> bool:
     if run.returncode == 0 and run.probe is not None:
         return False
-    stands = f" (stands for ranks {classes.describe_ranks(rank_class.ranks)})" if rank_class else ""
     why = "stopped after --wall-limit" if run.timed_out else f"exit code {run.returncode}"
-    print(f"the script failed in rank {run.rank}, {label}{stands}: {why}\n--- its output, last lines:\n{run.tail}",
-          flush=True)
+    if run.probe is not None and _steps_seen(run) < checks.MEASURED_STEP:
+        seen = _steps_seen(run)
+        why += f", after {seen} optimizer step{'' if seen == 1 else 's'} (step {checks.MEASURED_STEP} is measured)"
+    print(f"the script failed in rank {run.rank}, {label}{_stands(rank_class)}: {why}\n--- its output, last lines:\n"
+          f"{run.tail}", flush=True)
     return True
+
+
+def _verdict(run, label, rank_class, too_few, base):
+    """None: the rank's run ended well and measured its step 2.  Else its exit code, said: EXIT_FAILED for a
+    script that failed (:func:`_failed`); EXIT_CONFIG for one that ended, exit 0, before the measured step
+    (its probe saw fewer optimizer steps), with the flag and the value to give, in the report's errors too:
+    its figures of step 2 would be zeros, and a report of them is wrong."""
+    if _failed(run, label, rank_class):
+        return EXIT_FAILED
+    if run.probe.get("measured_step_completed") and _steps_seen(run) >= checks.MEASURED_STEP:
+        return None
+    field, message = too_few(_steps_seen(run))
+    message = f"rank {run.rank}, {label}{_stands(rank_class)}: {message}"
+    print(f"configuration error: {field}: {message}", flush=True)
+    base["errors"].append({"field": field, "message": message, "rank": run.rank,
+                           "class": rank_class.label if rank_class else None})
+    return EXIT_CONFIG
 
 
 # The fake world's words when a rank receives, before any step could go on, what a later stage sends it (an
@@ -147,7 +188,9 @@ def _waits_on_a_later_stage(run) -> bool:
     return run.returncode != 0 and not run.timed_out and WAITS_ON_A_LATER_STAGE in run.tail and run.probe is not None
 
 
-def _run_all(args, script, run_args, world_size, chosen, work, base, started) -> int:
+def _run_all(args, script, run_args, world_size, chosen, work, base, started, too_few, step_estimate=None) -> int:
+    """``too_few(steps)``: (field, message) refusing a run that saw fewer optimizer steps than the measured one's
+    number (:func:`~paddle_hybrid.dryrun.checks.too_few_steps`)."""
     # 2. rank 0, then the classes
     first = _run_rank(args, script, run_args, 0, world_size, work, "rank 0 (finds the topology)")
     if not _waits_on_a_later_stage(first) and _failed(first, "rank 0"):
@@ -161,6 +204,12 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
     rank_classes = classes.classes_of(topology, world_size)
     stages = int(topology["degrees"].get("pipe", 1)) if topology else 1
     coords = classes.coordinates(topology["names"], topology["degrees"]) if topology else None
+    if not _waits_on_a_later_stage(first):  # stopped before the measured step: said now, not after every class
+        owner = next(c for c in rank_classes if 0 in c.ranks)
+        code = _verdict(first, f"class {owner.label}", owner, too_few, base)
+        if code is not None:
+            _finish(args, base, started)
+            return code
 
     # 3. one rank per class, in stage order; a rank that waited on a later stage once more at the end
     plan = _plan(rank_classes, chosen)
@@ -174,12 +223,14 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
             continue
         run = runs.get(rank) or _run_rank(args, script, run_args, rank, world_size, work, label)
         runs[rank] = run
-        if not _waits_on_a_later_stage(run) and _failed(run, label, rank_class):
+        code = None if _waits_on_a_later_stage(run) else _verdict(run, label, rank_class, too_few, base)
+        if code is not None:
             _finish(args, base, started)
-            return EXIT_FAILED
-    if _rerun_the_waiting(args, script, run_args, world_size, work, plan, runs):
+            return code
+    code = _rerun_the_waiting(args, script, run_args, world_size, work, plan, runs, too_few, base)
+    if code is not None:
         _finish(args, base, started)
-        return EXIT_FAILED
+        return code
 
     # 4. receive shapes the fake world took from the other way, checked against the senders' runs
     if _shapes_contradicted(work):
@@ -204,37 +255,56 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started) ->
     print(report.table(entries), flush=True)
     if "gpu_step" in base:
         print(gpu_step.table(base["gpu_step"]), flush=True)
+    if args.png:
+        _draw(args, entries, step_estimate)
     _finish(args, base, started)
     return EXIT_OK
+
+
+def _draw(args, entries, step_estimate) -> None:
+    from . import pictures
+
+    if not pictures.memory_bars(entries, args.png):
+        print("--png needs matplotlib (pip install matplotlib): nothing drawn", flush=True)
+        return
+    drawn = [args.png]
+    if step_estimate is not None:
+        step_path = os.path.splitext(args.png)[0] + "_step.png"
+        gpu_step.draw(step_estimate, step_path)
+        drawn.append(step_path)
+    print(f"drew {' and '.join(drawn)}", flush=True)
 
 
 MAX_ROUNDS = 8  # reruns of the ranks that waited; each round must record more than the one before
 
 
-def _rerun_the_waiting(args, script, run_args, world_size, work, plan, runs) -> bool:
+def _rerun_the_waiting(args, script, run_args, world_size, work, plan, runs, too_few, base):
     """Run again, in stage order, every rank that stopped waiting on a rank not yet recorded, until
     none waits.  Two stages can each wait on the other (an interleaved pipeline's first stage takes
     its second chunk's input from the last stage, which took its first from the first): each round
     lets each go further on what the other recorded in the round before.  A round that records
-    nothing new cannot help the next: the wait is then the failure, named.  True: failed (said)."""
+    nothing new cannot help the next: the wait is then the failure, named.  None: every run ended
+    well; else the exit code (said: :func:`_verdict`)."""
     for round_number in range(1, MAX_ROUNDS + 1):
         waiting = [(c, r) for c, r in plan if r in runs and _waits_on_a_later_stage(runs[r])]
         if not waiting:
-            return False
+            return None
         recorded = _recorded_messages(work)
         for rank_class, rank in waiting:
             label = f"class {rank_class.label}"
             runs[rank] = _run_rank(args, script, run_args, rank, world_size, work,
                                    f"{label} (again, round {round_number}: the stages it receives from have run)")
-            if not _waits_on_a_later_stage(runs[rank]) and _failed(runs[rank], label, rank_class):
-                return True
+            code = None if _waits_on_a_later_stage(runs[rank]) else _verdict(runs[rank], label, rank_class,
+                                                                               too_few, base)
+            if code is not None:
+                return code
         if _recorded_messages(work) == recorded:
             break
     still = [(c, r) for c, r in plan if r in runs and _waits_on_a_later_stage(runs[r])]
     for rank_class, rank in still:
         _failed(runs[rank], f"class {rank_class.label} (still waiting after {round_number} rounds of reruns)",
                 rank_class)
-    return bool(still)
+    return EXIT_FAILED if still else None
 
 
 def _recorded_messages(work) -> int:

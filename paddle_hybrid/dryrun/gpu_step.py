@@ -17,7 +17,7 @@ from ..plan import cli as plan_cli, hardware, tables as kernel_tables
 from ..plan.estimate import FRAMEWORKS, estimate
 from ..plan.layout import Layout
 
-__all__ = ["job_layout", "price", "table", "RECORDS_NOTE"]
+__all__ = ["job_layout", "price", "table", "draw", "memory_gb", "RECORDS_NOTE"]
 
 RECORDS_NOTE = ("GPU step: an ESTIMATE (python -m paddle_hybrid.plan's): kernels written from the model's sizes "
                 "(a LLaMA / GPT decoder), priced from tables measured on an H200; not the probe's record of this "
@@ -36,6 +36,11 @@ def _optional_value(args: list, flag: str, bare: str, absent: str) -> str:
         elif a.startswith(flag + "="):
             found = a.split("=", 1)[1]
     return found
+
+
+def memory_gb(gpu_name: str) -> float:
+    """GB (1e9 bytes) of the named GPU's memory; ValueError for a GPU without tables."""
+    return hardware.gpu_named(gpu_name).memory_bytes / 1e9
 
 
 def job_layout(kind: str, args: list, degrees: dict, microbatches):
@@ -61,9 +66,10 @@ def job_layout(kind: str, args: list, degrees: dict, microbatches):
 
 
 def price(script: str, args: list, kind: str, degrees: dict, microbatches, gpu_name: str, nnodes: int,
-          nproc_per_node: int, gpu_memory_gb=None, inter_node_gbps=None) -> dict:
-    """The job's estimated step: ``{"gpu", "layout", "step_time_s", "tokens_per_s", "mfu", "stages": [...],
-    "error": measured error or None, "notes"}``; ValueError naming what it cannot price."""
+          nproc_per_node: int, gpu_memory_gb=None, inter_node_gbps=None):
+    """(the job's estimated step as the report keeps it: ``{"gpu", "layout", "step_time_s", "tokens_per_s", "mfu",
+    "stages": [...], "error": measured error or None, "notes"}``, the estimate itself); ValueError naming what it
+    cannot price."""
     gpu = hardware.gpu_named(gpu_name)
     model = plan_cli.model_of_script(script, args)
     layout, global_batch = job_layout(kind, args, degrees, microbatches)
@@ -74,7 +80,7 @@ def price(script: str, args: list, kind: str, degrees: dict, microbatches, gpu_n
                                  "peak_bytes")} for s in e.per_stage]
     return {"gpu": gpu.name, "layout": layout.name(), "global_batch": global_batch, "step_time_s": e.step_time_s,
             "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "slowest_stage": e.slowest_stage, "stages": stages,
-            "error": plan_cli.measured_error(clus), "notes": [RECORDS_NOTE] + e.notes}
+            "error": plan_cli.measured_error(clus), "notes": [RECORDS_NOTE] + e.notes}, e
 
 
 def table(result: dict) -> str:
@@ -91,3 +97,10 @@ def table(result: dict) -> str:
                      f"{s['bubble_s']:>8.3f} {s['dp_comm_s']:>8.3f} {s['optimizer_s']:>8.3f}")
     lines += [f"  note: {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def draw(step_estimate, path: str) -> bool:
+    """The priced step's simulated timeline per stage, as a PNG."""
+    from ..plan import pictures
+
+    return pictures.step_timeline(step_estimate, path)

@@ -8,6 +8,8 @@ JSON: ``{"world", "nnodes", "nproc_per_node", "degrees", "errors": [{"field", "m
 "group", "calls", "bytes"}], "wall_s", "max_rss_bytes", "derived_from", "routing", "gpu_estimate": {...}}],
 "wall_s", "notes": [...]}``; bytes are integers; every rank of the world is in exactly one class.  ``derived_from`` is null for a class
 whose representative ran, else the rank whose run it was derived from (:func:`derived_entry`).
+An error of a rank's run (a script that ended before the measured step, its second optimizer step) also
+has ``"rank"`` and ``"class"``; ``rank_classes`` is then empty.
 ``routing`` is the probe's (how the class's MoE gates routed: forced-balanced), null where no gate routed.
 ``gpu_estimate``: the same class on a GPU in bfloat16 with flash attention, estimated, not measured
 (:mod:`.gpu_estimate`).

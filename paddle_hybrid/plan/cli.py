@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the job runs its layout (paddle: fleet's order and overlaps)")
     p.add_argument("--top", type=int, default=15, help="rows of the table to print")
     p.add_argument("--json", default=None, help="write every priced layout here")
+    p.add_argument("--png", default=None,
+                   help="draw the layouts (step time against memory per GPU, ties marked) to this PNG, and the best "
+                        "layout's simulated step beside it (<name>_step.png)")
     p.add_argument("script", nargs="?", default=None, help="the training script (its model is read from its arguments)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -136,6 +139,19 @@ def _print_table(rows, top, tie, out=None):
               f"{'yes' if e.fits else 'NO':>4} {e.mfu * 100:>5.1f}% {e.tokens_per_s:>10.0f}  {dominant} {mark}", file=out)
 
 
+def _draw(path, priced, clus, tie, model):
+    from . import pictures
+
+    title = f"{model.name} on {clus.gpus} x {clus.gpu.name}: an estimate"
+    if not pictures.layouts_scatter(priced, path, clus.memory_bytes, tie, title):
+        print("plan: --png needs matplotlib (pip install matplotlib); nothing drawn", file=sys.stderr)
+        return
+    best = next((e for e in priced if e.fits), priced[0])
+    step_path = os.path.splitext(path)[0] + "_step.png"
+    pictures.step_timeline(best, step_path)
+    print(f"drew {path} and {step_path}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     started = time.time()
@@ -201,6 +217,8 @@ def main(argv=None) -> int:
     for note in sorted({n for e in priced for n in e.notes}):
         print(f"note: {note}")
     _print_table(priced, args.top, tie)
+    if args.png:
+        _draw(args.png, priced, clus, tie, model)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model.name, "gpus": args.gpus, "gpu": gpu.name, "global_batch": args.global_batch,

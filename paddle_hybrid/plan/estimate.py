@@ -81,6 +81,7 @@ class Estimate:
     slowest_stage: int
     per_stage: list
     notes: list
+    timeline: object = None      # the simulated pipeline (simulate.Timeline), for pictures
 
     def as_json(self) -> dict:
         return {"layout": self.layout.name(), "step_time_s": self.step_time_s, "fits": self.fits,
@@ -301,4 +302,4 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
         notes.append(f"NVLink curve scaled from 8 x A100 (nccl-tests) by NVLink bandwidth to {cluster.gpu.name}")
     memory = {k: int(v) for k, v in slow.items() if k.endswith("_bytes")}
     return Estimate(layout, step, breakdown, peak, memory, peak <= cluster.memory_bytes, tokens_step / step, mfu,
-                    slow["stage"], per_stage, notes)
+                    slow["stage"], per_stage, notes, timeline)

@@ -29,7 +29,8 @@ How a script takes a layout depends on what the script is (:func:`kind_of`):
   ``vp``, ``dp``, ``sharding``, ``sep``, ``ep``, ``sharding_stage``, the switch ``sp``; the batch,
   ``batch`` (per data-parallel replica: divided by the replicas) or ``global_batch`` (over all of
   them: given unchanged, it must split evenly); what the degrees must divide, ``layers``, ``heads``,
-  ``seq_len``, ``experts``, and ``accumulate`` (microbatches a step).  Each degree key present is
+  ``seq_len``, ``experts``, and ``accumulate`` (microbatches a step); ``steps``, its optimizer steps
+  (passed on as given here; ``python -m paddle_hybrid.dryrun`` checks it).  Each degree key present is
   stated in every run (1 in the one-process run); a layout that needs a key the script lacks is
   refused naming it.
 * ``fleet``: anything else: the plugin puts the degrees (tp, pp, dp, sharding, sep) into the
@@ -55,7 +56,7 @@ TRAINER_DEFAULT_BATCH = "8"  # TrainingArguments' per_device_train_batch_size wh
 DEGREES = ("mp", "pp", "vp", "dp", "sharding", "sep", "ep")
 # every key a PADDLE_HYBRID_LAYOUT_FLAGS may have (see the module's docstring)
 FLAG_KEYS = DEGREES + ("sharding_stage", "sp", "batch", "global_batch", "accumulate", "layers", "heads", "seq_len",
-                       "experts")
+                       "experts", "steps")
 _PART = re.compile(r"(tp|mp|pp|vp|dp|sharding|sep|sp|ep)(\d+)")
 _STAGE = re.compile(r"s(\d+)")  # right after sharding's degree: its stage
 KINDS = ("trainer", "flags", "fleet")

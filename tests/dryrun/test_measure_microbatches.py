@@ -2,7 +2,8 @@
 in-flight activations are composed with the script's own count (a model too large to run its whole
 schedule on this machine).  ``examples/gpt_pp.py`` at pp2 with 4 microbatches a step, measured with 1:
 stage 0 keeps 2 in flight (1F1B: stages - stage), stage 1 keeps 1; the activations of one microbatch
-equal those of the full run's per-microbatch figure (same shapes)."""
+equal those of the full run's per-microbatch figure (same shapes), and are not zero (step 2, the step
+measured, ran: ``--steps 2``)."""
 import json
 import os
 import subprocess
@@ -35,6 +36,10 @@ def test_one_microbatch_measured_four_composed(tmp_path):
         one = json.load(f)
     assert one["schedule_microbatches"] == 4 and one["measured_microbatches"] == 1
     for a, b in zip(full["rank_classes"], one["rank_classes"]):
+        # step 2 measured (issue 54: a script stopped after step 1 reported zeros): activations, and the
+        # composed peak holds them beyond the parameters, gradients and optimizer state
+        assert a["activations_bytes_per_microbatch"] > 0 and a["peak_window"] == "step 2"
+        assert a["composed_peak_bytes"] > a["parameters_bytes"] + a["gradients_bytes"] + a["optimizer_bytes"]
         assert b["microbatches"] == 1 and a["microbatches"] == 4
         assert b["in_flight_microbatches"] == a["in_flight_microbatches"]
         assert b["activations_bytes_per_microbatch"] == a["activations_bytes_per_microbatch"]

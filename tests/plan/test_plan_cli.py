@@ -88,3 +88,30 @@ def test_given_layouts_take_the_fastest_completion(capsys, tmp_path):
     assert "tp4pp4dp4mb1rcfull" in rows
     completed = [name for name in rows if name.startswith("tp8pp2dp4")]
     assert len(completed) == 1 and "mb" in completed[0] and "rc" in completed[0]
+
+
+def test_png_draws_the_layouts_and_the_best_step(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    code, text, _ = run(capsys, "--gpus", "16", "--gpu", "h200", "--global-batch", "32", "--model", "llama2-7b",
+                        "--png", str(png), "--layouts", "tp2pp4vp2dp2mb1rcnone,tp4pp2dp2mb2rcsel")
+    assert code == 0 and f"drew {png}" in text
+    for path in (png, tmp_path / "plan_step.png"):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_the_step_picture_holds_every_simulated_op_then_the_update():
+    from paddle_hybrid.plan import hardware, pictures, tables
+    from paddle_hybrid.plan.estimate import FRAMEWORKS, estimate
+
+    gpu = hardware.gpu_named("h200")
+    e = estimate(PRESETS["llama2-7b"], parse("tp2pp4vp2dp2mb1rcnone"), hardware.cluster(gpu, 16), tables.load(gpu),
+                 32, FRAMEWORKS["paddle"])
+    events = pictures.step_events(e)
+    for stage in range(4):
+        mine = [ev for ev in events if ev["rank"] == stage]
+        compute = [ev for ev in mine if ev["cat"] in ("forward", "backward")]
+        assert len(compute) == 2 * 16 * 2          # 16 microbatches, 2 chunks, a forward and a backward each
+        update = [ev for ev in mine if ev["cat"] in ("grad_sync", "optimizer")]
+        assert update and update[0]["start"] == pytest.approx(max(ev["end"] for ev in compute))
+        assert update[-1]["end"] == pytest.approx(e.per_stage[stage]["step_s"])

@@ -24,6 +24,9 @@ elements times its element size):
 - **peak**: the allocator's peak from the end of the first update to the end of the second (the
   steady state: the optimizer state exists, one step's activations come and go); with one step only,
   from the start of the process (``peak_window`` says which);
+- **optimizer steps**: how many updates the rank made (``optimizer_steps``), and whether the second,
+  the measured one, completed (``measured_step_completed``): activations, microbatches and the step-2
+  peak exist only then, and the dry run refuses a rank's run without it rather than report zeros;
 - **sharding partition** (sharding stage 1, fleet's ``DygraphShardingOptimizer``): the optimizer state
   every other sharding rank of this stage holds, by dtype, from the partition this rank's optimizer
   made (which parameters each sharding rank updates) and the state this rank's optimizer keeps per
@@ -95,7 +98,8 @@ def _by_dtype(tensors) -> dict:
 class _Probe:
     def __init__(self, directory: str):
         self.directory = directory
-        self.record = {"rank": _rank(), "updates": 0, "peak_window": "process"}
+        self.record = {"rank": _rank(), "optimizer_steps": 0, "measured_step_completed": False,
+                       "peak_window": "process"}
         self.optimizers = []
         self.saved = {"bytes": 0, "ptrs": set(), "backward_calls": 0, "in_backward": 0, "by_kind": {}}
         self.window_open = False
@@ -105,7 +109,7 @@ class _Probe:
 
     # -- the first and second optimizer updates
     def before_update(self, optimizer, params_grads) -> None:
-        if self.record["updates"] == 0:
+        if self.record["optimizer_steps"] == 0:
             # while the model is alive (a script may drop it before the process exits)
             self.record["virtual_stages"] = _virtual_stages()
             self.record["parameters"] = _by_dtype(_alive_parameters())
@@ -117,14 +121,15 @@ class _Probe:
     def after_update(self) -> None:
         from paddle.base import core
 
-        self.record["updates"] += 1
+        self.record["optimizer_steps"] += 1
         self.record.setdefault("update_times", []).append(time.time())
         calls = fake_world.log_length() if fake_world.active() else len(self.comm) + fake_contexts.count()
         self.record.setdefault("comm_marks", []).append(calls)
         if fake_world.active():  # the dry run shows which rank is where
-            print(f"[paddle_hybrid.dryrun] rank {self.record['rank']}: optimizer step {self.record['updates']} done",
-                  file=sys.stderr, flush=True)
-        if self.record["updates"] == 1:
+            steps = self.record["optimizer_steps"]
+            print(f"[paddle_hybrid.dryrun] rank {self.record['rank']}: optimizer step {steps} done", file=sys.stderr,
+                  flush=True)
+        if self.record["optimizer_steps"] == 1:
             self.record["optimizer"] = _by_dtype(_optimizer_state(self.optimizers))
             partition = _sharding_partition(self.optimizers, self.record["optimizer"])
             if partition is not None:
@@ -133,13 +138,14 @@ class _Probe:
             self.saved.update(bytes=0, ptrs=set(), backward_calls=0, by_kind={})
             self.record["recomputed_bytes_per_step"] = 0
             self.window_open = True
-        elif self.record["updates"] == 2:
+        elif self.record["optimizer_steps"] == 2:
             self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
             self.record["peak_window"] = "step 2"
             self.record["step_2_seconds"] = self.record["update_times"][1] - self.record["update_times"][0]
             self.record["activations_bytes_per_step"] = self.saved["bytes"]
             self.record["activations_by_kind"] = dict(self.saved["by_kind"])
             self.record["microbatches"] = self.saved["backward_calls"]
+            self.record["measured_step_completed"] = True
             self.window_open = False
 
     # -- saved for backward

@@ -235,8 +235,8 @@ def test_family(families, family, on):
 
 def test_dry_run_of_a_paddleformers_moe_routes_balanced(tmp_path, paddleformers_version):
     """``python -m paddle_hybrid.dryrun`` (2 ranks, data parallel) of examples/paddleformers_trainer.py on its
-    tiny GPT-OSS (2 experts, top-1; built from its config): every rank's class says its PaddleFormers gates
-    routed forced-balanced, 16 tokens a rank over 2 experts.  About 15 s."""
+    tiny GPT-OSS (2 experts, top-1; built from its config), 2 steps (the dry run measures the second): every
+    rank's class says its PaddleFormers gates routed forced-balanced, 16 tokens a rank over 2 experts."""
     trainer = os.path.join(ROOT, "examples", "paddleformers_trainer.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOG_minloglevel": "2", "PYTHONPATH": ROOT}
     write = subprocess.run([sys.executable, trainer, "write-tiny-model", str(tmp_path / "model"), "--family",
@@ -247,14 +247,14 @@ def test_dry_run_of_a_paddleformers_moe_routes_balanced(tmp_path, paddleformers_
         [sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "1", "--nproc_per_node", "2", "--ranks", "all",
          "--json", str(report), trainer, "--model_name_or_path", str(tmp_path / "model"), "--init_from_config", "true",
          "--output_dir", str(tmp_path / "out"), "--device", "cpu", "--bf16", "false", "--fp16", "false",
-         "--amp_master_grad", "false", "--split_param", "false", "--report_to", "none", "--max_steps", "1",
+         "--amp_master_grad", "false", "--split_param", "false", "--report_to", "none", "--max_steps", "2",
          "--per_device_train_batch_size", "1", "--seq_length", "16", "--num_samples", "16", "--save_strategy", "no"],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = json.loads(report.read_text())
     assert found["errors"] == [] and len(found["rank_classes"]) == 2
-    for entry in found["rank_classes"]:  # one MoE layer a decoder layer, 2 layers: 2 gate calls
-        assert entry["routing"] == {"mode": "forced-balanced", "gate_calls": 2, "top_k": 1, "tokens_per_expert": [8, 8]}
+    for entry in found["rank_classes"]:  # one MoE layer a decoder layer, 2 layers, 2 steps: 4 gate calls
+        assert entry["routing"] == {"mode": "forced-balanced", "gate_calls": 4, "top_k": 1, "tokens_per_expert": [8, 8]}
 
 
 # --------------------------------------------------------------------------- another PaddleFormers
