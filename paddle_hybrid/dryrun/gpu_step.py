@@ -10,8 +10,6 @@ refused before any run.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from ..common.script_kind import flag_value
 from ..plan import cli as plan_cli, hardware, tables as kernel_tables
 from ..plan.estimate import FRAMEWORKS, estimate
@@ -74,7 +72,6 @@ def price(script: str, args: list, kind: str, degrees: dict, microbatches, gpu_n
     model = plan_cli.model_of_script(script, args)
     layout, global_batch = job_layout(kind, args, degrees, microbatches)
     clus = hardware.cluster(gpu, nnodes * nproc_per_node, nproc_per_node, inter_node_gbps, gpu_memory_gb)
-    model = dataclasses.replace(model, attention="flash")  # priced as the GPU job runs it
     e = estimate(model, layout, clus, kernel_tables.load(gpu), global_batch, FRAMEWORKS["paddle"])
     stages = [{k: s[k] for k in ("stage", "step_s", "compute_s", "tp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s",
                                  "peak_bytes")} for s in e.per_stage]

@@ -18,7 +18,7 @@ __all__ = ["main", "build_parser", "model_of_script", "best_of", "check_layout",
 EXIT_OK, EXIT_REFUSED = 0, 2
 VALIDATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables", "validation.json")
 GPU_JOB = ("priced as the GPU job: bf16 weights and activations with float32 main gradients, master weights and "
-           "Adam moments; flash attention; fused AdamW")
+           "Adam moments; fused AdamW")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, default=None, help="network Gbit/s per GPU (overrides the preset)")
     p.add_argument("--gpu-memory", type=float, default=None, help="GB a GPU holds (overrides the preset)")
     p.add_argument("--gpu-table", default=None, help="kernel tables measured by benchmarks/bench_gpu_tables.py")
+    p.add_argument("--attention", default="script", choices=("script", "flash", "unfused"),
+                   help="the attention kernel of the GPU job: as the script runs it (gpt_pp.py: its matmul + softmax, "
+                        "unfused; a Trainer script or a LLaMA-style model: flash), or flash / unfused")
     p.add_argument("--framework", default="paddle", choices=sorted(FRAMEWORKS),
                    help="how the job runs its layout (paddle: fleet's order and overlaps)")
     p.add_argument("--top", type=int, default=15, help="rows of the table to print")
@@ -59,7 +62,7 @@ def model_of_script(script: str, args: list, seq=None):
         source = f.read()
     kind = kind_of(source)
     if kind == "flags":
-        names = ("--hidden", "--heads", "--layers", "--seq-len", "--vocab", "--ffn")
+        names = ("--hidden", "--heads", "--layers", "--seq-len", "--vocab", "--ffn", "--dropout")
         defaults = argument_defaults(source, names)
         values = {n[2:].replace("-", "_"): flag_value(args, n, defaults.get(n)) for n in names}
         if any(values[k] is None for k in ("hidden", "heads", "layers", "seq_len")):
@@ -174,9 +177,9 @@ def main(argv=None) -> int:
         if args.seq_len and args.model in PRESETS:
             import dataclasses
             model = dataclasses.replace(model, seq=args.seq_len)
-        if model.attention != "flash":
+        if args.attention != "script":
             import dataclasses
-            model = dataclasses.replace(model, attention="flash")
+            model = dataclasses.replace(model, attention=args.attention)
     except (ValueError, OSError) as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
     error = measured_error(clus)
     tie = error["mean_abs_error"] if error else None
     print(f"{model.name}: {model.params / 1e9:.2f} B parameters, seq {model.seq}, global batch {args.global_batch}, "
-          f"{args.gpus} x {gpu.name} ({clus.gpus_per_node} a node, {clus.memory_bytes / 1e9:.0f} GB); {GPU_JOB}")
+          f"{args.gpus} x {gpu.name} ({clus.gpus_per_node} a node, {clus.memory_bytes / 1e9:.0f} GB), {fw.name}'s "
+          f"overlaps and rank order; {GPU_JOB}; {model.attention} attention")
     print(f"an ESTIMATE: {len(priced)} layouts priced, {sum(e.fits for e in priced)} fit; "
           + (f"its error on {error['runs']} measured runs it was not fitted to, {error['what']}: mean "
              f"{error['mean_abs_error'] * 100:.1f} %, worst {error['worst_abs_error'] * 100:.1f} %; layouts within "

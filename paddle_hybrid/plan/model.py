@@ -101,7 +101,10 @@ def from_config(path: str, seq: int | None = None) -> Transformer:
 
 
 def from_gpt_pp_args(values: dict) -> Transformer:
-    """examples/gpt_pp.py's model from its argument values (``{"hidden": 128, ...}`` as its parser names them)."""
+    """examples/gpt_pp.py's model from its argument values (``{"hidden": 128, ...}`` as its parser names them): GELU
+    MLP, LayerNorm, tied embeddings, its own attention (matmul + causal mask + softmax: unfused); without
+    ``--vocab`` its character corpus's (a few dozen symbols, padded; 256 here)."""
     return Transformer(name="gpt_pp", hidden=int(values["hidden"]), heads=int(values["heads"]),
                        layers=int(values["layers"]), seq=int(values["seq_len"]), vocab=int(values.get("vocab") or 256),
-                       ffn=int(values.get("ffn") or 0), tied=True, dropout=False)
+                       ffn=int(values.get("ffn") or 0), tied=True, dropout=float(values.get("dropout") or 0.0) > 0,
+                       attention="unfused")

@@ -30,7 +30,7 @@ def test_recompute_as_gpt_pp_takes_it(given, expected):
 def test_the_job_is_priced_as_plan_prices_its_layout():
     result, _ = gpu_step.price(GPT_PP, ARGS, "flags", DEGREES, 8, "h100", 2, 8)
     layout = Layout(tp=2, pp=2, dp=4, sp=True, mbs=2, recompute="sel")
-    model = Transformer("gpt_pp", 1024, 16, 8, 1024, 32768, tied=True, dropout=False)
+    model = Transformer("gpt_pp", 1024, 16, 8, 1024, 32768, tied=True, dropout=False, attention="unfused")
     gpu = hardware.gpu_named("h100")
     expected = estimate(model, layout, hardware.cluster(gpu, 16, 8), tables.load(gpu), 2 * 8 * 4, FRAMEWORKS["paddle"])
     assert result["layout"] == "sp2pp2dp4mb2rcsel" and result["global_batch"] == 64

@@ -115,3 +115,19 @@ def test_the_step_picture_holds_every_simulated_op_then_the_update():
         update = [ev for ev in mine if ev["cat"] in ("grad_sync", "optimizer")]
         assert update and update[0]["start"] == pytest.approx(max(ev["end"] for ev in compute))
         assert update[-1]["end"] == pytest.approx(e.per_stage[stage]["step_s"])
+
+
+def test_the_attention_is_the_scripts_unless_asked(tmp_path):
+    """gpt_pp.py computes attention as matmul + softmax, so its GPU job does too; --attention flash prices the job
+    with a flash kernel instead, which is faster at sequence 2048."""
+    args = [GPT_PP, "--hidden", "2048", "--heads", "16", "--layers", "8", "--seq-len", "2048", "--vocab", "32768",
+            "--dropout", "0.1"]
+    model = cli.model_of_script(args[0], args[1:])
+    assert model.attention == "unfused" and model.dropout and model.ffn == 4 * 2048
+    times = {}
+    for attention in ("script", "flash"):
+        out = tmp_path / f"{attention}.json"
+        assert cli.main(["--gpus", "8", "--gpu", "h100", "--global-batch", "8", "--layouts", "tp8mb1rcnone",
+                         "--attention", attention, "--json", str(out)] + args) == 0
+        times[attention] = json.loads(out.read_text())["layouts"][0]["step_time_s"]
+    assert times["flash"] < times["script"]
