@@ -147,6 +147,43 @@ def with_one_chunk(kind: str, args: list, flags: dict | None, work: str) -> list
     return [*args, "--model_name_or_path", mirror]  # the last value given wins
 
 
+TRAINER_LAYERS = "num_hidden_layers"  # a model configuration's field
+
+
+def layers_of(kind: str, args: list, flags: dict | None, defaults: dict | None) -> int:
+    """The model's layers as the script takes them (``--compose-layers``); SystemExit naming how to give them."""
+    if kind == "flags" and flags and "layers" in flags:
+        value = script_value(args, flags, "layers", defaults)
+    elif kind == "trainer":
+        value = (trainer_config(args) or {}).get(TRAINER_LAYERS)
+    else:
+        value = None
+    if value is None:
+        raise SystemExit("--compose-layers needs the script's layers: \"layers\" in its PADDLE_HYBRID_LAYOUT_FLAGS "
+                         "with the value given or a literal default, or a Trainer's --model_name_or_path with "
+                         f"{TRAINER_LAYERS} in its config.json")
+    return int(value)
+
+
+def with_layers(kind: str, args: list, flags: dict | None, work: str, n: int) -> list:
+    """The script's arguments with a model of ``n`` layers (``--compose-layers``): the flag of ``layers`` in its
+    ``PADDLE_HYBRID_LAYOUT_FLAGS``; a Trainer's model directory mirrored into ``work`` (links to its files) with
+    its configuration's layers ``n``."""
+    if kind == "flags":
+        return [*args, flags["layers"], str(n)]
+    path = flag_value(args, "--model_name_or_path")
+    mirror = os.path.join(work, f"model-{n}-layers")
+    os.makedirs(mirror, exist_ok=True)
+    for name in os.listdir(path):
+        target = os.path.join(mirror, name)
+        if name != "config.json" and not os.path.lexists(target):
+            os.symlink(os.path.abspath(os.path.join(path, name)), target)
+    config = dict(trainer_config(args), **{TRAINER_LAYERS: n})
+    with open(os.path.join(mirror, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return [*args, "--model_name_or_path", mirror]  # the last value given wins
+
+
 def _divides(errors, field, n, by, what, fix):
     if by > 1 and n % by:
         errors.append(ConfigError(field, f"{field} = {n} does not divide by {what} {by}: {fix}"))

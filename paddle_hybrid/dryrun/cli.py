@@ -10,7 +10,7 @@ import time
 
 from ..common.script_kind import argument_defaults, kind_of, script_flags
 from ..gloo import fake_contexts
-from . import checks, classes, gpu_estimate, gpu_step, report, runner
+from . import checks, classes, compose, gpu_estimate, gpu_step, report, runner
 
 __all__ = ["main", "build_parser"]
 
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "estimate (docs/plan.md)")
     p.add_argument("--inter-node-gbps", type=float, default=None,
                    help="with --gpu: the network's Gbit/s per GPU (default: the GPU's preset)")
+    p.add_argument("--compose-layers", action="store_true",
+                   help="measure each class with 1 and with 2 layers a pipeline chunk and compose every figure to the "
+                        "script's own layers (a model too large to run whole here; see docs/dryrun.md)")
     p.add_argument("--png", default=None,
                    help="draw each class's memory on the GPU to this PNG; with --gpu also the step per stage "
                         "(<name>_step.png)")
@@ -128,6 +131,9 @@ def main(argv=None) -> int:
         return checks.too_few_steps(kind, args.args, flags, defaults, seen)
 
     try:
+        if args.compose_layers:
+            return _run_composed(args, script, run_args, world_size, chosen, work, base, started, too_few,
+                                 step_estimate, kind, flags, defaults, degrees)
         return _run_all(args, script, run_args, world_size, chosen, work, base, started, too_few, step_estimate)
     finally:
         if args.work is None:
@@ -188,7 +194,8 @@ def _waits_on_a_later_stage(run) -> bool:
     return run.returncode != 0 and not run.timed_out and WAITS_ON_A_LATER_STAGE in run.tail and run.probe is not None
 
 
-def _run_all(args, script, run_args, world_size, chosen, work, base, started, too_few, step_estimate=None) -> int:
+def _run_all(args, script, run_args, world_size, chosen, work, base, started, too_few, step_estimate=None,
+             report_it=True) -> int:
     """``too_few(steps)``: (field, message) refusing a run that saw fewer optimizer steps than the measured one's
     number (:func:`~paddle_hybrid.dryrun.checks.too_few_steps`)."""
     # 2. rank 0, then the classes
@@ -252,12 +259,44 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started, to
     if chosen != "auto":
         run_ranks = {r for _, r in plan}
         base["not_run"] = [r for r in range(world_size) if r not in run_ranks]
-    print(report.table(entries), flush=True)
+    if report_it:
+        _report(args, base, step_estimate, started)
+    return EXIT_OK
+
+
+def _report(args, base, step_estimate, started) -> None:
+    """The table, the GPU step, the pictures and the JSON of a finished dry run."""
+    print(report.table(base["rank_classes"]), flush=True)
     if "gpu_step" in base:
         print(gpu_step.table(base["gpu_step"]), flush=True)
     if args.png:
-        _draw(args, entries, step_estimate)
+        _draw(args, base["rank_classes"], step_estimate)
     _finish(args, base, started)
+
+
+def _run_composed(args, script, run_args, world_size, chosen, work, base, started, too_few, step_estimate, kind,
+                  flags, defaults, degrees) -> int:
+    """``--compose-layers``: the dry run with 1 and with 2 layers a pipeline chunk, every figure composed to the
+    script's own layers a chunk (:mod:`.compose`)."""
+    import copy
+
+    chunks = degrees["pp"] * base["measured_virtual_stages"]
+    total = checks.layers_of(kind, args.args, flags, defaults)
+    per_chunk = compose.per_chunk_layers(total, chunks)
+    measured = []
+    for layers_a_chunk in (1, 2):
+        sub = os.path.join(work, f"layers{layers_a_chunk}")
+        os.makedirs(sub, exist_ok=True)
+        run = copy.deepcopy(base)
+        code = _run_all(args, script, checks.with_layers(kind, run_args, flags, sub, chunks * layers_a_chunk),
+                        world_size, chosen, sub, run, started, too_few, report_it=False)
+        if code != EXIT_OK:
+            return code
+        measured.append(run["rank_classes"])
+    base["rank_classes"] = compose.entries(measured[0], measured[1], per_chunk)
+    base["composed_from_layers"] = [chunks, 2 * chunks]
+    base["notes"].append(compose.NOTE.format(one=chunks, two=2 * chunks, layers=total, per_chunk=per_chunk))
+    _report(args, base, step_estimate, started)
     return EXIT_OK
 
 

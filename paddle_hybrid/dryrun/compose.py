@@ -1,0 +1,83 @@
+"""``--compose-layers``: a model too large to run whole here, measured with 1 and with 2 layers a pipeline chunk
+and composed to its own layers.
+
+A chunk's layers are alike, so every figure a rank class measures is a part that does not depend on the layers
+(embedding, head, loss, the pipeline's messages) plus one layer's part times the layers: with ``a`` measured at
+1 layer a chunk and ``b`` at 2, the figure at ``k`` layers a chunk is ``a + (k - 1) (b - a)``.  Composed so:
+parameters, gradients and optimizer state (by dtype), activations saved per microbatch (by kind), the
+step-2 peak, and each collective's calls and bytes by operation and group; the composed peak and the GPU
+estimate are computed again from the composed parts.  Not composed: the wall time and memory of the dry run's
+own processes (those of the 2-layer run), the sharding partition.  Checked equal to the full dry run of
+``examples/gpt_pp.py`` (tests/dryrun/test_compose_layers.py).
+"""
+from __future__ import annotations
+
+from . import gpu_estimate
+
+__all__ = ["entries", "compose_entry", "per_chunk_layers", "NOTE"]
+
+NOTE = ("composed (--compose-layers): every class measured with {one} and with {two} layers (1 and 2 a pipeline "
+        "chunk) and each figure composed to the script's {layers} ({per_chunk} a chunk): parameters, gradients, "
+        "optimizer state, activations, the step-2 peak, collectives' calls and bytes; the dry run's own wall time "
+        "and memory are the 2-layer run's")
+_LINEAR = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+           "activations_bytes_per_microbatch", "peak_bytes")
+_LINEAR_DICTS = ("parameters_by_dtype", "gradients_by_dtype", "optimizer_by_dtype",
+                 "activations_by_kind_per_microbatch")
+
+
+def per_chunk_layers(total: int, chunks: int) -> int:
+    """Layers a chunk of the script's model; SystemExit where composing cannot hold."""
+    if total % chunks:
+        raise SystemExit(f"--compose-layers: {total} layers do not divide over {chunks} pipeline chunks")
+    per_chunk = total // chunks
+    if per_chunk < 3:
+        raise SystemExit(f"--compose-layers: {per_chunk} layers a chunk are measured as they are: run without it")
+    return per_chunk
+
+
+def _line(a, b, k):
+    return a + (k - 1) * (b - a)
+
+
+def _dict(a: dict, b: dict, k) -> dict:
+    return {key: _line((a or {}).get(key, 0), (b or {}).get(key, 0), k) for key in sorted(set(a or {}) | set(b or {}))}
+
+
+def _communication(a: list, b: list, k) -> list:
+    """Calls and bytes by (operation, group), composed; the order of the 2-layer run."""
+    first = {(c["op"], tuple(c["group"] or ())): c for c in a}
+    out = []
+    for c in b:
+        base = first.get((c["op"], tuple(c["group"] or ())), {"calls": 0, "bytes": 0})
+        out.append(dict(c, calls=_line(base["calls"], c["calls"], k), bytes=_line(base["bytes"], c["bytes"], k)))
+    missing = [key for key in first if key not in {(c["op"], tuple(c["group"] or ())) for c in b}]
+    if missing:
+        raise ValueError(f"--compose-layers: the 1-layer run made collectives the 2-layer run did not: {missing}")
+    return out
+
+
+def compose_entry(a: dict, b: dict, k: int) -> dict:
+    """Class entry ``b`` (2 layers a chunk) with every layer-dependent figure composed to ``k`` layers a chunk from it
+    and ``a`` (1 layer a chunk)."""
+    if a["class"] != b["class"]:
+        raise ValueError(f"--compose-layers: the runs found other classes ({a['class']} against {b['class']})")
+    out = dict(b)
+    for key in _LINEAR:
+        out[key] = _line(a[key], b[key], k)
+    for key in _LINEAR_DICTS:
+        if key in b:
+            out[key] = _dict(a.get(key), b.get(key), k)
+    out["communication"] = _communication(a["communication"], b["communication"], k)
+    out["composed_peak_bytes"] = int(out["parameters_bytes"] + out["gradients_bytes"] + out["optimizer_bytes"]
+                                     + out["activations_bytes_per_microbatch"] * out["in_flight_microbatches"])
+    out["gpu_estimate"] = gpu_estimate.estimate(out, b["gpu_estimate"]["device_bytes"])
+    out["composed_from"] = "1 and 2 layers a chunk"
+    return out
+
+
+def entries(one: list, two: list, k: int) -> list:
+    """Every class entry composed (see :func:`compose_entry`)."""
+    if len(one) != len(two):
+        raise ValueError(f"--compose-layers: {len(one)} classes with 1 layer a chunk, {len(two)} with 2")
+    return [compose_entry(a, b, k) for a, b in zip(one, two)]
