@@ -36,6 +36,9 @@ each named here:
 9. the component ``balanced_routing`` (issue 45), off unless its setting is given (:data:`ADDED_COMPONENTS`).
 6. ``fleet_fixes`` (issue 47) replaces ``Tensor.numpy``: a DistTensor whose value was freed is an
    error, not a zero-size array (``tests/dygraph/fleet_fixes/test_empty_dist_read.py``).
+10. ``paddleformers_fixes`` (issue 53) also waits for PaddleFormers' ``moe_communication`` module and
+   its report() line says so (:data:`PADDLEFORMERS_MOE_NOTE`; nothing replaced until that module is
+   imported: ``tests/dygraph/paddleformers_fixes/test_moe_alltoall_order.py``).
 
 Everything else (every replaced attribute, its original and replacement, every other line of
 report()) is equal.  The history of the restructure before this one is in git (its baseline
@@ -102,6 +105,9 @@ ORDER_AND_FSDP_PATCHES |= {("fleet_fixes", "FullyShardFusion", "_shard_all_param
                             "_shard_all_params")} if paddle.__version__.startswith("3.3.") else set()
 # change 7 (issue 47): a freed DistTensor's numpy() is an error (fleet_fixes.empty_dist_read; both versions)
 ORDER_AND_FSDP_PATCHES |= {("fleet_fixes", "Tensor", "numpy", "Tensor.numpy", "Tensor.numpy")}
+# change 10 (issue 53): the end of paddleformers_fixes' report() line
+PADDLEFORMERS_MOE_NOTE = ("; paddleformers.nn.moe_deepep.moe_communication likewise (the all-to-all MoE expert order, "
+                          "moe_alltoall_order)")
 AUTO_PARALLEL_PATCHES = {  # change 5
     ("auto_parallel_cpu", "_ExecutorCache", "_get_pir_program_and_executor",
      "_ExecutorCache._get_pir_program_and_executor", "_ExecutorCache._get_pir_program_and_executor"),
@@ -188,6 +194,8 @@ def _expected(before_case):
         count = int(re.match(r"active: (\d+)", comps["auto_parallel_cpu"]).group(1))
         comps["auto_parallel_cpu"] = comps["auto_parallel_cpu"].replace(
             f"active: {count} ", f"active: {count + len(AUTO_PARALLEL_PATCHES)} ", 1)
+    if comps.get("paddleformers_fixes", "").startswith("active"):  # change 10
+        comps["paddleformers_fixes"] += PADDLEFORMERS_MOE_NOTE
     comps.update(ADDED_COMPONENTS)
     for name in REGISTERED_BY.values():  # change 2: on where its gate is on, else the gate's words
         gate = rule[name]

@@ -39,6 +39,10 @@ fix                      what it mends (details in the module's docstring)
 :mod:`.segment_parallel`  ``--sep_parallel_size`` > 1: PaddleFormers' models run each
                          sep rank's part of the sequence alone (no attention over the
                          sep group); trains other gradients on every device (refused)
+:mod:`.moe_alltoall_order`  expert parallelism with ``moe_token_dispatcher_type="alltoall"``
+                         and a micro-batch of more than one sequence: tokens computed by
+                         a neighbouring expert (fixed: the micro-batch sorted as one
+                         sequence of tokens); every device
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
@@ -72,6 +76,9 @@ TRAINER_MODULE = "paddleformers.trainer.trainer"
 PIPE_MODULE = "paddleformers.nn.pp_model"
 SDPA_MODULE = "paddleformers.nn.attention.sdpa_attention"
 EMBEDDING_MODULE = "paddleformers.nn.embedding"
+MOE_COMMUNICATION_MODULE = "paddleformers.nn.moe_deepep.moe_communication"
+# report()'s words for the fix a user's own MoE script may need without the trainer (issue 53)
+MOE_NOTE = f"; {MOE_COMMUNICATION_MODULE} likewise (the all-to-all MoE expert order, moe_alltoall_order)"
 
 
 def _paddleformers_version() -> str:
@@ -139,6 +146,20 @@ def _fix_sdpa_attention(patcher: Patcher, sdpa_attention) -> None:
         sink_attention.apply_to(patcher, sdpa_attention)
 
 
+def _fix_moe_communication(patcher: Patcher, moe_communication) -> None:
+    """The all-to-all expert order (:mod:`.moe_alltoall_order`), on a verified PaddleFormers; on
+    another version a warning (the module is imported without the trainer by a model of one's own)."""
+    version = _paddleformers_version()
+    if not version_supported(version, VERIFIED_PADDLEFORMERS):
+        warnings.warn(f"paddle_hybrid.dygraph.paddleformers_fixes.moe_alltoall_order: written for PaddleFormers "
+                      f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; AllToAllMoECommunication "
+                      f"is left as it is. {COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
+        return
+    from . import moe_alltoall_order
+
+    moe_alltoall_order.apply_to(patcher, moe_communication)
+
+
 def apply(config, patcher: Patcher) -> str:
     from ...common.import_hook import when_imported
 
@@ -150,8 +171,11 @@ def apply(config, patcher: Patcher) -> str:
     patcher.on_revert(cancel, f"the wait for {PIPE_MODULE}")
     cancel = when_imported(SDPA_MODULE, lambda module: _fix_sdpa_attention(patcher, module))
     patcher.on_revert(cancel, f"the wait for {SDPA_MODULE}")
+    cancel = when_imported(MOE_COMMUNICATION_MODULE, lambda module: _fix_moe_communication(patcher, module))
+    patcher.on_revert(cancel, f"the wait for {MOE_COMMUNICATION_MODULE}")
     _hook_families(patcher)
-    return f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
+    return (f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
+            f"{MOE_NOTE}")
 
 
 # Verified on Paddle 3.2 and 3.3: the wait for the import itself (PaddleFormers 1.2 imports only on Paddle >= 3.3).
