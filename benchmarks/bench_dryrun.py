@@ -15,6 +15,11 @@ Cases (``--case``, several allowed; default ``cost``):
   ``virtual_pipeline_model_parallel_size`` (PaddleFormers 1.2's TrainingArguments has no flag for it); the
   remaining 16 ranks go to sharding stage 1.  With one microbatch measured, each stage runs its layers as
   one chunk (the interleaved schedule cannot run one microbatch) and in flight is composed for two.
+* ``gpt175b-compose``: GPT-3 175B's shapes (hidden 12288, 96 heads, 96 layers, FFN 49152, vocabulary 51200,
+  sequence 2048) through ``examples/gpt_pp.py`` at tp8 x pp2 on 2 x 8 = 16 ranks, 2 microbatches of 1 a step:
+  every class measured with 1 and 2 layers a stage and composed to its 48 (``--compose-layers``), and the step
+  priced on 16 A100s from the runs' recorded kernels (``--gpu a100-80g``): a model that cannot run whole here,
+  at its real per-rank shapes.
 * ``cost``: the dry run's time per rank class against the same rank's step in a real run, at a size where
   both run (``examples/gpt_pp.py`` pp2, hidden 512, 2 processes on 2 cores): step 2's seconds in each.
 
@@ -76,6 +81,25 @@ def llama(case: str, work: str, seq: int, ranks: str | None) -> dict:
     return result
 
 
+def gpt175b(work: str) -> dict:
+    report = os.path.join(work, "gpt175b-compose.json")
+    cmd = [sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "2", "--nproc_per_node", "8", "--compose-layers",
+           "--gpu", "a100-80g", "--work", os.path.join(work, "gpt175b"), "--json", report, GPT, "--mp", "8", "--pp",
+           "2", "--hidden", "12288", "--heads", "96", "--layers", "96", "--ffn", "49152", "--vocab", "51200",
+           "--seq-len", "2048", "--micro-batch-size", "1", "--accumulate-steps", "2", "--steps", "2",
+           "--out-dir", os.path.join(work, "gpt175b-out")]
+    start = time.time()
+    proc = subprocess.run(cmd, env=_env(), text=True, capture_output=True)
+    print(proc.stdout, flush=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+    with open(report) as f:
+        result = json.load(f)
+    result["bench_wall_s"] = round(time.time() - start, 1)
+    result["returncode"] = proc.returncode
+    return result
+
+
 def cost(work: str) -> dict:
     """Step 2 of rank 0 (stage 0) and rank 1 (stage 1): in a real 2-process run, and in the dry run."""
     args = ["--pp", "2", "--steps", "2", "--layers", "4", "--hidden", "512", "--heads", "8", "--seq-len", "256",
@@ -103,7 +127,7 @@ def cost(work: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", action="append", choices=["cost", *LAYOUTS], help="default: cost")
+    p.add_argument("--case", action="append", choices=["cost", "gpt175b-compose", *LAYOUTS], help="default: cost")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--ranks", default=None, help="ranks to run (the dry run's --ranks)")
     p.add_argument("--out", default="runs/bench_dryrun.json")
@@ -112,7 +136,8 @@ def main(argv=None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="bench_dryrun_")
     results = {}
     for case in args.case or ["cost"]:
-        results[case] = cost(work) if case == "cost" else llama(case, work, args.seq, args.ranks)
+        results[case] = cost(work) if case == "cost" else gpt175b(work) if case == "gpt175b-compose" else \
+            llama(case, work, args.seq, args.ranks)
     print("\ncase            rank/class          wall s   peak RSS GiB   peak alloc GiB   composed GiB   GPU est. GiB")
     for case, result in results.items():
         if case == "cost":

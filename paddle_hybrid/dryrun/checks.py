@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from ..common.script_kind import TRAINER_VP_FLAG, flag_value, script_value
 
@@ -249,6 +250,15 @@ def _steps(kind: str, args: list, flags: dict | None, defaults: dict | None) -> 
     return [ConfigError(flag, f"{flag} = {steps}: {WHY_STEP_2}; give {flag} {MEASURED_STEP} or more")]
 
 
+def _resumed_at(kind: str, args: list):
+    """A Trainer resuming a checkpoint: (its step from the ``checkpoint-N`` name, or None; the path), else None."""
+    path = flag_value(args, "--resume_from_checkpoint") if kind == "trainer" else None
+    if path is None or path.strip().lower() in ("", "false", "no", "0", "none"):
+        return None
+    match = re.search(r"checkpoint-(\d+)/*$", path)
+    return (int(match.group(1)) if match else None), path
+
+
 def too_few_steps(kind: str, args: list, flags: dict | None, defaults: dict | None, seen: int) -> tuple:
     """(field, message) of the refusal of a rank's run whose probe saw ``seen`` optimizer steps, fewer than
     the measured one's number: the flag and the value to give where the tool knows the flag, and what the
@@ -259,7 +269,13 @@ def too_few_steps(kind: str, args: list, flags: dict | None, defaults: dict | No
         return "optimizer steps", f"{ended}; {WHY_STEP_2}: run at least {MEASURED_STEP} optimizer steps"
     fix = f"give {flag} {MEASURED_STEP} or more"
     steps = given_steps(kind, args, flags, defaults)
-    if steps is not None and steps >= MEASURED_STEP:
+    resumed = _resumed_at(kind, args)
+    if steps is not None and steps >= MEASURED_STEP and resumed is not None:
+        at, path = resumed
+        fix = (f"give {flag} {at + MEASURED_STEP if at is not None else 'its step + ' + str(MEASURED_STEP)} or more "
+               f"(it was given {flag} {steps} and resumes from {path}, whose "
+               f"{f'step {at}' if at is not None else 'step'} the Trainer counts)")
+    elif steps is not None and steps >= MEASURED_STEP:
         fix += f" (it was given {flag} {steps}: something else ended it earlier, such as its data or an exit)"
     elif kind == "trainer" and steps is None:
         fix += " (without it, --num_train_epochs and the data decide)"

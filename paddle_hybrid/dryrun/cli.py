@@ -109,10 +109,11 @@ def main(argv=None) -> int:
     step_estimate = None
     if args.gpu and not errors:  # priced before any run: what cannot be priced is said at once
         try:
-            base["gpu_step"], step_estimate = gpu_step.price(script, args.args, kind, degrees,
-                                                             schedule_microbatches, args.gpu, args.nnodes,
-                                                             args.nproc_per_node, args.gpu_memory,
-                                                             args.inter_node_gbps)
+            base["gpu_step"], step_estimate, pricing = gpu_step.price(script, args.args, kind, degrees,
+                                                                      schedule_microbatches, args.gpu, args.nnodes,
+                                                                      args.nproc_per_node, args.gpu_memory,
+                                                                      args.inter_node_gbps)
+            step_estimate = (step_estimate, pricing)
         except (ValueError, OSError) as exc:
             errors.append(checks.ConfigError("--gpu", f"{exc}; drop --gpu to dry-run without the step's price"))
     if errors:
@@ -265,10 +266,23 @@ def _run_all(args, script, run_args, world_size, chosen, work, base, started, to
 
 
 def _report(args, base, step_estimate, started) -> None:
-    """The table, the GPU step, the pictures and the JSON of a finished dry run."""
+    """The table, the GPU step, the pictures and the JSON of a finished dry run.  ``step_estimate``: (the estimate
+    from the model's shapes, its pricing), or None without ``--gpu``; the step is priced again from the kernels
+    the runs recorded where they recorded any."""
+    base["notes"].extend(report.checkpoint_notes(base["rank_classes"]))  # checkpoints not read (fake world)
     print(report.table(base["rank_classes"]), flush=True)
+    if step_estimate is not None:
+        shapes_estimate, pricing = step_estimate
+        step_estimate = shapes_estimate
+        from_records = gpu_step.price_recorded(pricing, base["rank_classes"])
+        if from_records is not None:
+            base["gpu_step_from_shapes"] = base["gpu_step"]
+            base["gpu_step"], step_estimate = from_records
     if "gpu_step" in base:
         print(gpu_step.table(base["gpu_step"]), flush=True)
+        if "gpu_step_from_shapes" in base:
+            print(f"  (from the model's shapes instead of the recorded kernels: "
+                  f"{base['gpu_step_from_shapes']['step_time_s']:.3f} s)", flush=True)
     if args.png:
         _draw(args, base["rank_classes"], step_estimate)
     _finish(args, base, started)
@@ -293,6 +307,7 @@ def _run_composed(args, script, run_args, world_size, chosen, work, base, starte
         if code != EXIT_OK:
             return code
         measured.append(run["rank_classes"])
+    base.update({key: run[key] for key in ("degrees", "not_run") if key in run})  # fleet's own, as the runs took them
     base["rank_classes"] = compose.entries(measured[0], measured[1], per_chunk)
     base["composed_from_layers"] = [chunks, 2 * chunks]
     base["notes"].append(compose.NOTE.format(one=chunks, two=2 * chunks, layers=total, per_chunk=per_chunk))

@@ -5,7 +5,8 @@ A chunk's layers are alike, so every figure a rank class measures is a part that
 (embedding, head, loss, the pipeline's messages) plus one layer's part times the layers: with ``a`` measured at
 1 layer a chunk and ``b`` at 2, the figure at ``k`` layers a chunk is ``a + (k - 1) (b - a)``.  Composed so:
 parameters, gradients and optimizer state (by dtype), activations saved per microbatch (by kind), the
-step-2 peak, and each collective's calls and bytes by operation and group; the composed peak and the GPU
+step-2 peak, each collective's calls and bytes by operation and group, and each recorded kernel's calls (by
+op, shapes, phase; the optimizer's own kernels left out); the composed peak and the GPU
 estimate are computed again from the composed parts.  Not composed: the wall time and memory of the dry run's
 own processes (those of the 2-layer run), the sharding partition.  Checked equal to the full dry run of
 ``examples/gpt_pp.py`` (tests/dryrun/test_compose_layers.py).
@@ -57,6 +58,22 @@ def _communication(a: list, b: list, k) -> list:
     return out
 
 
+def _kernel_key(rec) -> str:
+    return repr({key: value for key, value in rec.items() if key != "calls"})
+
+
+def _kernels(a: list, b: list, k) -> list:
+    """Each recorded kernel's calls composed (a kernel of another shape in one run only: its calls as a line
+    through 0).  The optimizer's own kernels (phase ``update``) are left out: their shapes follow the parameters'
+    count, not a layer's, and the estimate prices the optimizer from the parameters."""
+    a = [r for r in a if r["phase"] != "update"]
+    b = [r for r in b if r["phase"] != "update"]
+    first = {_kernel_key(r): r["calls"] for r in a}
+    out = [dict(r, calls=_line(first.pop(_kernel_key(r), 0), r["calls"], k)) for r in b]
+    out += [dict(r, calls=_line(r["calls"], 0, k)) for r in a if _kernel_key(r) in first]
+    return [r for r in out if r["calls"] > 0]
+
+
 def compose_entry(a: dict, b: dict, k: int) -> dict:
     """Class entry ``b`` (2 layers a chunk) with every layer-dependent figure composed to ``k`` layers a chunk from it
     and ``a`` (1 layer a chunk)."""
@@ -69,6 +86,7 @@ def compose_entry(a: dict, b: dict, k: int) -> dict:
         if key in b:
             out[key] = _dict(a.get(key), b.get(key), k)
     out["communication"] = _communication(a["communication"], b["communication"], k)
+    out["kernels"] = _kernels(a.get("kernels", []), b.get("kernels", []), k)
     out["composed_peak_bytes"] = int(out["parameters_bytes"] + out["gradients_bytes"] + out["optimizer_bytes"]
                                      + out["activations_bytes_per_microbatch"] * out["in_flight_microbatches"])
     out["gpu_estimate"] = gpu_estimate.estimate(out, b["gpu_estimate"]["device_bytes"])

@@ -3,20 +3,31 @@ class is a stage's) and for the job, by the step-time estimate of ``python -m pa
 
 The layout is the dry run's own (its degrees from the script's arguments), the micro-batch size, sequence
 parallelism and recompute read from the script's arguments as for its degrees, the model's sizes from its
-arguments or configuration (:func:`paddle_hybrid.plan.cli.model_of_script`).  The step's kernels are the
-estimate's records of a decoder of those sizes, written from the shapes: not the probe's record of what
-this script ran (said in the output).  A layout the estimate does not price (segment parallelism) is
-refused before any run.
+arguments or configuration (:func:`paddle_hybrid.plan.cli.model_of_script`).  Priced twice:
+
+* before any run (:func:`price`), from the estimate's records of a decoder of those sizes: a layout the
+  estimate cannot price (segment parallelism) is refused at once, and a run that records no kernels keeps it;
+* after the runs (:func:`price_recorded`), each stage's microbatch from the kernels its class's run recorded
+  (:mod:`paddle_hybrid.plan.recorded`) and its tensor-parallel collectives from its recorded calls: what the
+  report shows (``gpu_step``), the first kept beside it (``gpu_step_from_shapes``).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..common.script_kind import flag_value
-from ..plan import cli as plan_cli, hardware, tables as kernel_tables
+from ..plan import cli as plan_cli, comm as comm_model, hardware, recorded, tables as kernel_tables
 from ..plan.estimate import FRAMEWORKS, estimate
 from ..plan.layout import Layout
 
-__all__ = ["job_layout", "price", "table", "draw", "memory_gb", "RECORDS_NOTE"]
+__all__ = ["job_layout", "price", "price_recorded", "Pricing", "table", "draw", "memory_gb", "RECORDS_NOTE",
+           "RECORDED_NOTE"]
 
+RECORDED_NOTE = ("GPU step: an ESTIMATE (python -m paddle_hybrid.plan's tables and schedule): each stage's "
+                 "microbatch priced from the kernels its class's run recorded (forwards as run, backwards derived from "
+                 "them; attention as the GPU job runs it) and its tensor-parallel collectives from its recorded calls "
+                 "(split evenly between forward and backward); the pipeline, data-parallel reduce and optimizer as "
+                 "the plan prices them")
 RECORDS_NOTE = ("GPU step: an ESTIMATE (python -m paddle_hybrid.plan's): kernels written from the model's sizes "
                 "(a LLaMA / GPT decoder), priced from tables measured on an H200; not the probe's record of this "
                 "script's kernels")
@@ -66,18 +77,79 @@ def job_layout(kind: str, args: list, degrees: dict, microbatches):
 def price(script: str, args: list, kind: str, degrees: dict, microbatches, gpu_name: str, nnodes: int,
           nproc_per_node: int, gpu_memory_gb=None, inter_node_gbps=None):
     """(the job's estimated step as the report keeps it: ``{"gpu", "layout", "step_time_s", "tokens_per_s", "mfu",
-    "stages": [...], "error": measured error or None, "notes"}``, the estimate itself); ValueError naming what it
-    cannot price."""
+    "stages": [...], "error": measured error or None, "notes"}``, the estimate itself, the :class:`Pricing` the
+    recorded kernels are priced with later); ValueError naming what it cannot price."""
     gpu = hardware.gpu_named(gpu_name)
     model = plan_cli.model_of_script(script, args)
     layout, global_batch = job_layout(kind, args, degrees, microbatches)
     clus = hardware.cluster(gpu, nnodes * nproc_per_node, nproc_per_node, inter_node_gbps, gpu_memory_gb)
-    e = estimate(model, layout, clus, kernel_tables.load(gpu), global_batch, FRAMEWORKS["paddle"])
+    context = Pricing(model, layout, clus, kernel_tables.load(gpu), global_batch, FRAMEWORKS["paddle"])
+    e = estimate(model, layout, clus, context.tables, global_batch, context.framework)
+    return _result(context, e, RECORDS_NOTE), e, context
+
+
+@dataclasses.dataclass
+class Pricing:
+    """What the job's step is priced with: kept from the check before any run to the report after them."""
+    model: object
+    layout: object
+    cluster: object
+    tables: object
+    global_batch: int
+    framework: object
+
+
+def _result(context, e, how: str) -> dict:
     stages = [{k: s[k] for k in ("stage", "step_s", "compute_s", "tp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s",
                                  "peak_bytes")} for s in e.per_stage]
-    return {"gpu": gpu.name, "layout": layout.name(), "global_batch": global_batch, "step_time_s": e.step_time_s,
-            "tokens_per_s": e.tokens_per_s, "mfu": e.mfu, "slowest_stage": e.slowest_stage, "stages": stages,
-            "error": plan_cli.measured_error(clus), "notes": [RECORDS_NOTE] + e.notes}, e
+    return {"gpu": context.cluster.gpu.name, "layout": context.layout.name(), "global_batch": context.global_batch,
+            "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu,
+            "slowest_stage": e.slowest_stage, "stages": stages, "error": plan_cli.measured_error(context.cluster),
+            "notes": [how] + e.notes}
+
+
+def _tensor_parallel_seconds(entry, context) -> float:
+    """One microbatch's tensor-parallel collectives, from the class's recorded calls on its model-parallel group
+    (fleet's topology numbers mp fastest: the representative's group is its run of ``tp`` ranks)."""
+    tp = context.layout.tp
+    if tp <= 1:
+        return 0.0
+    rank = entry["representative"]
+    group = [rank // tp * tp + i for i in range(tp)]
+    comm = comm_model.CommModel(context.cluster)
+    where = comm_model.place(context.framework.order, {"tp": tp, "pp": context.layout.pp, "dp": context.layout.dp,
+                                                       "sharding": context.layout.sharding}, "tp",
+                             context.cluster.gpus_per_node)
+    seconds = 0.0
+    for call in entry["communication"]:
+        if call["group"] == group and call["calls"] and call["op"] in ("all_reduce", "all_gather", "reduce_scatter"):
+            size = call["bytes"] / call["calls"] / 2  # a float32 tensor on the CPU, bf16 in the GPU job
+            # the log's bytes are the call's first tensor: all_gather's input and reduce_scatter's output, this rank's
+            # part of the whole tensor the collective is priced by
+            whole = size * (tp if call["op"] in ("all_gather", "reduce_scatter") else 1)
+            seconds += call["calls"] * (getattr(comm, call["op"])(whole, where) + context.framework.collective_latency_s)
+    return seconds / max(entry.get("kernel_microbatches") or 1, 1)
+
+
+def price_recorded(context: Pricing, entries: list):
+    """(the result, the estimate) of the job's step with each stage's microbatch priced from the kernels its class's
+    run recorded (:mod:`paddle_hybrid.plan.recorded`) and its tensor-parallel collectives from its recorded calls;
+    None when no class recorded kernels."""
+    stage_costs = {}
+    for entry in entries:
+        if not entry.get("kernels") or entry.get("stage") in stage_costs:
+            continue
+        priced = recorded.price_microbatch(entry["kernels"], entry.get("kernel_microbatches") or 1, context.tables,
+                                           context.framework.launch_s, attention=context.model.attention,
+                                           attention_backend=context.framework.attention_backend)
+        tp_s = _tensor_parallel_seconds(entry, context)
+        stage_costs[entry["stage"]] = {"f_compute": priced["fwd_s"], "b_compute": priced["bwd_s"],
+                                       "f_comm": tp_s / 2, "b_comm": tp_s / 2}
+    if not stage_costs:
+        return None
+    e = estimate(context.model, context.layout, context.cluster, context.tables, context.global_batch,
+                 context.framework, stage_costs=stage_costs)
+    return _result(context, e, RECORDED_NOTE), e
 
 
 def table(result: dict) -> str:

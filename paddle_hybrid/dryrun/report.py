@@ -11,6 +11,9 @@ whose representative ran, else the rank whose run it was derived from (:func:`de
 An error of a rank's run (a script that ended before the measured step, its second optimizer step) also
 has ``"rank"`` and ``"class"``; ``rank_classes`` is then empty.
 ``routing`` is the probe's (how the class's MoE gates routed: forced-balanced), null where no gate routed.
+``checkpoint_loads`` is the probe's (each checkpoint load the fake world answered without reading it:
+``path``, ``format``, ``tensors`` and ``bytes`` of the rank, ``files``, ``file_bytes``, ``largest_file_bytes``,
+``weights_read`` false), null where the script loaded none; the notes then name each directory not read.
 ``gpu_estimate``: the same class on a GPU in bfloat16 with flash attention, estimated, not measured
 (:mod:`.gpu_estimate`).
 
@@ -32,7 +35,7 @@ from .classes import corresponding_group, describe_ranks
 
 GPU_MEMORY_BYTES = 80 * 10**9  # an 80 GB device (the dry run's --gpu-memory)
 
-__all__ = ["class_entry", "derived_entry", "in_flight", "table", "write_json", "gib"]
+__all__ = ["class_entry", "derived_entry", "in_flight", "table", "write_json", "gib", "checkpoint_notes"]
 
 
 def _total(by_dtype) -> int:
@@ -93,7 +96,12 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         "communication": _communication(probe), "wall_s": round(run.wall_s, 2), "max_rss_bytes": run.max_rss_bytes,
         "derived_from": None,
         "routing": probe.get("routing"),  # the MoE gates' (forced-balanced in a dry run); None: no gate routed
+        # the checkpoint loads the fake world answered without reading them (gloo.fake_checkpoint); None: none
+        "checkpoint_loads": probe.get("checkpoint_loads"),
         "activations_by_kind_per_microbatch": by_kind,
+        # the kernels of step 2 as the probe recorded them, and the backward calls they span (the GPU step's price)
+        "kernels": probe.get("kernels", []), "kernel_microbatches": int(probe.get("microbatches", 0) or 0),
+        "stage": stage,
     }
     entry["gpu_estimate"] = gpu_estimate.estimate(entry, gpu_memory_bytes)
     return entry
@@ -147,7 +155,7 @@ def table(entries: list) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     legend = ("\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch; from rN: derived from "
               f"rank N's run, see the notes;\n {gpu_estimate.ASSUMPTIONS}; of device: its composed peak's share)")
-    return "\n".join(lines) + legend + _routing_lines(entries)
+    return "\n".join(lines) + legend + _routing_lines(entries) + "".join(f"\n{n}" for n in checkpoint_notes(entries))
 
 
 def _routing_lines(entries: list) -> str:
@@ -155,6 +163,25 @@ def _routing_lines(entries: list) -> str:
     return "".join(f"\nMoE routing {e['routing']['mode']} in class {e['class']}: tokens this rank sent each expert "
                    f"(top-{e['routing']['top_k']}, last gate call) {e['routing']['tokens_per_expert']}"
                    for e in entries if e.get("routing"))
+
+
+def checkpoint_notes(entries: list) -> list:
+    """A note naming every checkpoint directory the classes loaded in the fake world (none: no note): not read,
+    what the figures are then, and what of the load is left out (:mod:`paddle_hybrid.gloo.fake_checkpoint`)."""
+    seen = {}
+    for e in entries:
+        for load in e.get("checkpoint_loads") or []:
+            seen.setdefault(load["path"], load)
+    if not seen:
+        return []
+    directories = "; ".join(f"{path} ({load['format']}, {load['files']} data file{'' if load['files'] == 1 else 's'}, "
+                            f"{gib(load['file_bytes'])}, largest {gib(load['largest_file_bytes'])})"
+                            for path, load in seen.items())
+    return [f"checkpoints not read (a dry run reads no weights): {directories}. Each rank's tensors keep the shapes, "
+            "dtypes and placements the script built (the model's configuration and the layout), which is what the "
+            "figures measure. Left out: the load's own memory before step 1 (a real rank reads each file assigned to "
+            "it whole, on the device unless offloaded, and slices it: each file read adds up to the largest named "
+            "here) and whether the checkpoint's tensors match the configuration"]
 
 
 def write_json(path: str, report: dict) -> None:

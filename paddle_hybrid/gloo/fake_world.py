@@ -13,6 +13,9 @@ What it replaces, when ``PluginConfig.fake_world`` names a world file (the dry r
 - ``collective._new_process_group_impl`` for gloo: a :class:`FakeProcessGroup` of the group's
   size, made at once (no rendezvous); :func:`paddle_hybrid.registry.device.is_gloo` answers for it as
   for gloo's, so every feature takes the path it takes on a real CPU job and cannot tell them apart.
+- ``paddle.distributed.load_state_dict`` (a flex-checkpoint load: ``from_pretrained``, a Trainer's
+  resume): no exchange and no weight read; the tensors the script built stay as they are, and the load
+  is noted for the report (:mod:`.fake_checkpoint`).
 
 Values (the shapes are always the real ones; the values are the fake world's):
 
@@ -55,7 +58,7 @@ import socket
 
 from ..common import exchange
 from ..common.tensor_bytes import nbytes
-from . import fake_contexts
+from . import fake_checkpoint, fake_contexts
 from .collectives import DoneTask
 
 __all__ = ["FakeProcessGroup", "FakeWorldError", "KEPT_ELEMENTS", "apply", "active", "expect_payload", "log",
@@ -543,5 +546,8 @@ def apply(config, patcher) -> None:
     impl = _make_new_pg_impl(collective._new_process_group_impl)
     patcher.set(collective, "_new_process_group_impl", impl)
     patcher.set(parallel, "_new_process_group_impl", impl)
+    # A flex-checkpoint load is an exchange of every rank's requests: here it reads nothing and leaves the
+    # tensors the script built as they are (what is measured needs no weight).
+    fake_checkpoint.apply(patcher, active)
     atexit.register(_write)
     patcher.on_revert(lambda: atexit.unregister(_write), "the fake world's record at exit")

@@ -10,6 +10,7 @@ import time
 from ..common.script_kind import argument_defaults, flag_value, kind_of
 from . import hardware, tables as kernel_tables
 from .estimate import FRAMEWORKS, estimate
+from .memory import ALLOCATOR_OVERHEAD_BYTES
 from .layout import RECOMPUTE, enumerate_layouts, parse
 from .model import PRESETS, from_config, from_gpt_pp_args
 
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--framework", default="paddle", choices=sorted(FRAMEWORKS),
                    help="how the job runs its layout (paddle: fleet's order and overlaps)")
     p.add_argument("--top", type=int, default=15, help="rows of the table to print")
+    p.add_argument("--dryrun-top", type=int, default=0, metavar="K",
+                   help="dry-run the K fastest layouts that fit at their real size (python -m paddle_hybrid.dryrun "
+                        "--gpu): the step priced from each run's recorded kernels and its measured memory beside the "
+                        "plan's (a script that declares its layout flags: examples/gpt_pp.py)")
     p.add_argument("--json", default=None, help="write every priced layout here")
     p.add_argument("--png", default=None,
                    help="draw the layouts (step time against memory per GPU, ties marked) to this PNG, and the best "
@@ -142,6 +147,30 @@ def _print_table(rows, top, tie, out=None):
               f"{'yes' if e.fits else 'NO':>4} {e.mfu * 100:>5.1f}% {e.tokens_per_s:>10.0f}  {dominant} {mark}", file=out)
 
 
+def _confirm(args, priced, clus, model):
+    """``--dryrun-top``: the rows it prints, or None (refused, said)."""
+    from . import confirm
+
+    if not args.script:
+        print("plan: --dryrun-top dry-runs the script: give it (with its arguments), not --model", file=sys.stderr)
+        return None
+    try:
+        rows = confirm.confirm(priced, args.dryrun_top, args.script, args.args, clus, args.global_batch, model.layers)
+    except ValueError as exc:
+        print(f"plan: --dryrun-top: {exc}", file=sys.stderr)
+        return None
+    print(f"dry-run at real size, the top {len(rows)}:")
+    for row in rows:
+        if row["exit"] != 0:
+            print(f"  {row['layout']:<28} the dry run failed (exit {row['exit']}): see its output above")
+            continue
+        floor = row["plan_peak_bytes"] - ALLOCATOR_OVERHEAD_BYTES
+        print(f"  {row['layout']:<28} step: plan {row['plan_step_s']:.3f} s, from the run's kernels "
+              f"{row['dryrun_step_s']:.3f} s; memory a GPU without the context's {_gib(ALLOCATOR_OVERHEAD_BYTES)} "
+              f"GiB: plan {_gib(floor)} GiB, the run's GPU estimate {_gib(row['dryrun_gpu_estimate_bytes'])} GiB")
+    return rows
+
+
 def _draw(path, priced, clus, tie, model):
     from . import pictures
 
@@ -221,6 +250,10 @@ def main(argv=None) -> int:
     for note in sorted({n for e in priced for n in e.notes}):
         print(f"note: {note}")
     _print_table(priced, args.top, tie)
+    if args.dryrun_top:
+        confirmed = _confirm(args, priced, clus, model)
+        if confirmed is None:
+            return EXIT_REFUSED
     if args.png:
         _draw(args.png, priced, clus, tie, model)
     if args.json:

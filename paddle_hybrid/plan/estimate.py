@@ -214,8 +214,10 @@ def _optimizer(params, layout, tables):
             + tables.memory_bound(6 * shard) + tables.memory_bound(4 * params))  # bf16 copy of master; zero grads
 
 
-def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle"]) -> Estimate:
-    """The step of ``layout`` (its ``mbs`` and ``recompute`` given) for ``global_batch`` sequences."""
+def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle"], stage_costs=None) -> Estimate:
+    """The step of ``layout`` (its ``mbs`` and ``recompute`` given) for ``global_batch`` sequences.  ``stage_costs``
+    (``{stage: {"f_compute", "f_comm", "b_compute", "b_comm"}}`` of one microbatch, e.g. priced from a dry run's
+    recorded kernels) replaces phases 1-2 for the stages it names; a stage's chunks share its costs evenly."""
     comm = comm_model.CommModel(cluster)
     degrees = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "sharding": layout.sharding}
     tp_place = comm_model.place(fw.order, degrees, "tp", cluster.gpus_per_node)
@@ -224,6 +226,9 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
 
     # phases 1-2: each chunk's microbatch
     costs = _chunk_costs(model, layout, mbs, recompute, tables, comm, tp_place, fw)
+    for stage, given in (stage_costs or {}).items():
+        for chunk in range(layout.vp):
+            costs[(stage, chunk)] = {key: value / layout.vp for key, value in given.items()}
 
     # phase 3: the schedule
     orders = _orders(layout, micro, fw)

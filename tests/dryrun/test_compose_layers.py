@@ -1,7 +1,7 @@
 """``--compose-layers``: every class measured with 1 and with 2 layers a pipeline chunk and composed to the
 script's layers equals the dry run of the whole model, figure for figure (parameters, gradients, optimizer state
 by dtype, activations by kind, the step-2 peak, the composed peak, the GPU estimate, each collective's calls and
-bytes by group); and what cannot be composed is refused before any run."""
+bytes by group, each recorded kernel's calls); and what cannot be composed is refused before any run."""
 import json
 import os
 
@@ -31,6 +31,11 @@ def by_group(entry):
     return {(c["op"], tuple(c["group"])): (c["calls"], c["bytes"]) for c in entry["communication"]}
 
 
+def kernel_calls(entry):
+    return sorted((repr({k: v for k, v in rec.items() if k != "calls"}), rec["calls"]) for rec in entry["kernels"]
+                  if rec["phase"] != "update")
+
+
 def test_composed_from_two_and_four_layers_equals_the_eight_layer_dry_run(tmp_path):
     whole = dry_run(tmp_path, "whole")
     composed = dry_run(tmp_path, "composed", "--compose-layers")
@@ -40,6 +45,7 @@ def test_composed_from_two_and_four_layers_equals_the_eight_layer_dry_run(tmp_pa
         for figure in FIGURES:
             assert mine[figure] == real[figure], (mine["class"], figure)
         assert by_group(mine) == by_group(real), mine["class"]
+        assert kernel_calls(mine) == kernel_calls(real), mine["class"]
         assert mine["parameters_bytes"] > 0 and mine["activations_bytes_per_microbatch"] > 0
 
 

@@ -131,3 +131,23 @@ def test_the_attention_is_the_scripts_unless_asked(tmp_path):
                          "--attention", attention, "--json", str(out)] + args) == 0
         times[attention] = json.loads(out.read_text())["layouts"][0]["step_time_s"]
     assert times["flash"] < times["script"]
+
+
+def test_dryrun_top_confirms_the_fastest_layout_by_its_dry_run(capsys):
+    """The fastest layout of a small gpt_pp job dry-run at its size: its step priced from the run's recorded
+    kernels within 30 % of the plan's (the records add transposes and small ops the shapes leave out), the run's
+    memory beside the plan's."""
+    code, text, _ = run(capsys, "--gpus", "4", "--gpu", "h100", "--global-batch", "8", "--top", "2",
+                        "--dryrun-top", "1", GPT_PP, "--hidden", "256", "--heads", "4", "--layers", "8",
+                        "--seq-len", "128", "--vocab", "1024")
+    assert code == 0, text
+    line = text.split("dry-run at real size, the top 1:\n")[1].splitlines()[0]
+    plan_s = float(line.split("step: plan ")[1].split(" s")[0])
+    run_s = float(line.split("from the run's kernels ")[1].split(" s")[0])
+    assert 0.7 < run_s / plan_s < 1.3, line
+
+
+def test_dryrun_top_needs_a_script(capsys):
+    code, _, err = run(capsys, "--gpus", "8", "--gpu", "h100", "--global-batch", "8", "--model", "llama3-8b",
+                       "--dryrun-top", "1")
+    assert code == 2 and "--dryrun-top dry-runs the script" in err

@@ -34,6 +34,9 @@ elements times its element size):
   run can stand one run for every sharding rank of a stage (:func:`_sharding_partition`);
 - **routing**: how this rank's MoE gates routed, when any did (:mod:`paddle_hybrid.common.routing_record`:
   ``forced-balanced`` in a dry run, with the tokens the last call sent each expert);
+- **checkpoint loads** (a dry run): each flex-checkpoint load the fake world answered without reading
+  it (:mod:`paddle_hybrid.gloo.fake_checkpoint`: the directory, this rank's tensors and bytes it
+  would have written, the data files on disk, ``weights_read: false``);
 - **topology**: fleet's degrees and this rank's coordinates, when the script made a hybrid
   communicate group;
 - **communication**: every call on the rank's process groups (operation, the group's global ranks,
@@ -53,7 +56,8 @@ import os
 import sys
 import time
 
-from ...common import routing_record
+from ...common import checkpoint_record, routing_record
+from . import kernels
 from ...common.tensor_bytes import nbytes
 from ...gloo import fake_contexts, fake_world
 from ...registry.component import Component
@@ -106,6 +110,8 @@ class _Probe:
         self.comm = []
         self.groups = {}  # id(process group) -> its global ranks (a real run)
         self.inside_logged_call = 0  # a logged collective made of others: only it is logged
+        self.kernels = kernels.KernelLog()
+        self.kernels.in_backward = lambda: bool(self.saved["in_backward"])
 
     # -- the first and second optimizer updates
     def before_update(self, optimizer, params_grads) -> None:
@@ -138,6 +144,7 @@ class _Probe:
             self.saved.update(bytes=0, ptrs=set(), backward_calls=0, by_kind={})
             self.record["recomputed_bytes_per_step"] = 0
             self.window_open = True
+            self.kernels.recording = True
         elif self.record["optimizer_steps"] == 2:
             self.record["peak_bytes"] = int(core.host_memory_stat_peak_value("Allocated", 0))
             self.record["peak_window"] = "step 2"
@@ -147,6 +154,8 @@ class _Probe:
             self.record["microbatches"] = self.saved["backward_calls"]
             self.record["measured_step_completed"] = True
             self.window_open = False
+            self.kernels.recording = False
+            self.record["kernels"] = self.kernels.as_json()
 
     # -- saved for backward
     def pack(self, tensor):
@@ -200,6 +209,9 @@ class _Probe:
         routing = routing_record.summary()
         if routing is not None:  # MoE gates routed here (forced-balanced in a dry run)
             self.record["routing"] = routing
+        loads = checkpoint_record.loads()
+        if loads:  # checkpoint loads the fake world answered without reading them (gloo.fake_checkpoint)
+            self.record["checkpoint_loads"] = loads
         os.makedirs(self.directory, exist_ok=True)
         with open(os.path.join(self.directory, f"probe.{self.record['rank']}.json"), "w") as f:
             json.dump(self.record, f)
@@ -446,7 +458,12 @@ def _make_apply_optimize(stock, probe):
     @functools.wraps(stock)
     def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
         probe.before_update(self, params_grads if isinstance(params_grads, list) else [])
-        result = stock(self, loss, startup_program, params_grads, *args, **kwargs)
+        probe.kernels.update_begins()
+        probe.kernels.in_update = True
+        try:
+            result = stock(self, loss, startup_program, params_grads, *args, **kwargs)
+        finally:
+            probe.kernels.in_update = False
         probe.after_update()
         return result
 
@@ -463,6 +480,8 @@ def _make_backward(stock, probe):
             return stock(*args, **kwargs)
         finally:
             probe.saved["in_backward"] -= 1
+            if not probe.saved["in_backward"]:
+                probe.kernels.backward_ended()
 
     return backward
 
@@ -544,6 +563,7 @@ def apply(config, patcher) -> str:
     patcher.set(autograd, "backward", _make_backward(patcher.require(autograd, "backward", "paddle.autograd"), probe))
     core.eager.register_saved_tensors_hooks(probe.pack, _unpack)
     _count_recompute_inputs(patcher, probe)
+    kernels.install(patcher, probe.kernels)
     patcher.on_revert(core.eager.reset_saved_tensors_hooks, "the dry-run probe's saved-tensor hooks")
     if not config.fake_world:
         _log_real_groups(patcher, probe)

@@ -43,6 +43,9 @@ fix                      what it mends (details in the module's docstring)
                          and a micro-batch of more than one sequence: tokens computed by
                          a neighbouring expert (fixed: the micro-batch sorted as one
                          sequence of tokens); every device
+:mod:`.fake_world_files`  a dry run only (the fake world): the Trainer's resume looked for
+                         a checkpoint's scheduler and state through an exchange of the
+                         ranks' answers; now each rank looks at the disk itself
 =======================  ==============================================================
 
 PaddleFormers is optional and heavy, so nothing is imported at ``import paddle_hybrid``: the
@@ -96,8 +99,8 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
                       f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
                       f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
         return
-    from . import (auto_grad_accumulation, auto_parallel_weights, flex_checkpoint_load, grad_norm_hook, trainer_resume,
-                   trainer_start)
+    from . import (auto_grad_accumulation, auto_parallel_weights, fake_world_files, flex_checkpoint_load,
+                   grad_norm_hook, trainer_resume, trainer_start)
 
     grad_norm_hook.fix(patcher, trainer_module)
     auto_grad_accumulation.fix(patcher, trainer_module)
@@ -105,6 +108,7 @@ def _fix_trainer(patcher: Patcher, trainer_module) -> None:
     trainer_resume.fix(patcher, trainer_module)
     trainer_start.fix(patcher, trainer_module)  # cpu_precision, auto_parallel_layouts and recompute_flags
     auto_parallel_weights.fix(patcher, trainer_module)
+    fake_world_files.fix(patcher, trainer_module)  # a dry run only: a checkpoint's small files read locally
 
 
 def _fix_pipe_models(patcher: Patcher, pp_model) -> None:
