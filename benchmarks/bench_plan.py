@@ -86,7 +86,8 @@ def h200(table_path):
         rc = {"none": "none", "selective": "sel", "full": "full"}[r["recompute"]]
         runs.append(dict(set="h200", gpu="h200", gpus=1, model=model, layout=Layout(mbs=r["mbs"], recompute=rc),
                          gbs=r["mbs"] * r["micro"], measured_s=r["step_time_s"],
-                         measured_bytes=r["peak_allocated_bytes"], group=("h200", r["hidden"], r["layers"])))
+                         measured_bytes=r["peak_allocated_bytes"], measured_reserved_bytes=r["peak_reserved_bytes"],
+                         group=("h200", r["hidden"], r["layers"])))
     return runs
 
 
@@ -142,6 +143,11 @@ def metrics(runs):
     if mem:
         out["memory_mean_abs_error"] = statistics.mean(abs(e) for e in mem)
         out["memory_worst_error"] = max(mem, key=abs)
+    reserved = [r["estimate_reserved_bytes"] / r["measured_reserved_bytes"] - 1 for r in runs
+                if "measured_reserved_bytes" in r]
+    if reserved:
+        out["reserved_mean_abs_error"] = statistics.mean(abs(e) for e in reserved)
+        out["reserved_worst_error"] = max(reserved, key=abs)
     return out
 
 
@@ -178,7 +184,8 @@ def main(argv=None):
             framework = fw if run["set"] != "h200" else torch_on_this_host
             e = price(run, framework, args.table)
             run["estimate_s"] = e.step_time_s
-            run["estimate_bytes"] = e.peak_bytes_per_gpu - mem.ALLOCATOR_OVERHEAD_BYTES
+            run["estimate_bytes"] = max(stage["allocated_bytes"] for stage in e.per_stage)
+            run["estimate_reserved_bytes"] = int(run["estimate_bytes"] * mem.FRAGMENTATION)
             run["breakdown"] = e.breakdown
         if runs:
             report[name] = metrics(runs)

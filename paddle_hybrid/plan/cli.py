@@ -10,7 +10,6 @@ import time
 from ..common.script_kind import argument_defaults, flag_value, kind_of
 from . import hardware, tables as kernel_tables
 from .estimate import FRAMEWORKS, estimate
-from .memory import ALLOCATOR_OVERHEAD_BYTES
 from .layout import RECOMPUTE, enumerate_layouts, parse
 from .model import PRESETS, from_config, from_gpt_pp_args
 
@@ -164,10 +163,9 @@ def _confirm(args, priced, clus, model):
         if row["exit"] != 0:
             print(f"  {row['layout']:<28} the dry run failed (exit {row['exit']}): see its output above")
             continue
-        floor = row["plan_peak_bytes"] - ALLOCATOR_OVERHEAD_BYTES
         print(f"  {row['layout']:<28} step: plan {row['plan_step_s']:.3f} s, from the run's kernels "
-              f"{row['dryrun_step_s']:.3f} s; memory a GPU without the context's {_gib(ALLOCATOR_OVERHEAD_BYTES)} "
-              f"GiB: plan {_gib(floor)} GiB, the run's GPU estimate {_gib(row['dryrun_gpu_estimate_bytes'])} GiB")
+              f"{row['dryrun_step_s']:.3f} s; memory allocated a GPU: plan {_gib(row['plan_allocated_bytes'])} GiB, "
+              f"the run's GPU estimate {_gib(row['dryrun_gpu_estimate_bytes'])} GiB")
     return rows
 
 

@@ -53,7 +53,8 @@ def dryrun_args(script: str, args: list, layout, global_batch: int, layers: int)
 
 def confirm(estimates, top: int, script: str, args: list, clus, global_batch: int, layers: int, work=None) -> list:
     """Dry-run the ``top`` fastest fitting layouts; ``[{"layout", "plan_step_s", "dryrun_step_s", "plan_peak_bytes",
-    "dryrun_gpu_estimate_bytes", "exit"}]`` (exit: the dry run's; its figures None where it failed)."""
+    "plan_allocated_bytes", "dryrun_gpu_estimate_bytes", "exit"}]`` (exit: the dry run's; its figures None where it
+    failed)."""
     from ..dryrun import cli as dryrun_cli
 
     rows = []
@@ -71,6 +72,7 @@ def confirm(estimates, top: int, script: str, args: list, clus, global_batch: in
             argv += ["--measure-microbatches", str(layout.pp)]
         code = dryrun_cli.main(argv + [script] + dryrun_args(script, args, layout, global_batch, layers))
         row = {"layout": layout.name(), "plan_step_s": e.step_time_s, "plan_peak_bytes": e.peak_bytes_per_gpu,
+               "plan_allocated_bytes": max(s["allocated_bytes"] for s in e.per_stage),
                "exit": code, "dryrun_step_s": None, "dryrun_gpu_estimate_bytes": None}
         if code == 0:
             with open(out) as f:

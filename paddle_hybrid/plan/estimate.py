@@ -13,7 +13,8 @@ Phases of :func:`estimate`:
 4. **after the pipeline**: the data-parallel gradient reduce (or sharding's reduce-scatter and
    all-gather), exposed except where the framework overlaps it with the last backward; tied embeddings'
    all-reduce between the first and last stage; the optimizer;
-5. **memory**: states, the activations the simulated order keeps in flight, the largest temporary.
+5. **memory**: states, the activations the simulated order keeps in flight, the largest temporary (allocated);
+   the allocator's fragmentation and the context on top (the device's).
 """
 from __future__ import annotations
 
@@ -284,11 +285,12 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
             logits = tokens * model.vocab // layout.tp
             acts += counts.get(layout.vp - 1, 0) * logits * (2 + 4)
             temporary = max(temporary, logits * 4)
-        peak = sum(state_bytes.values()) + acts + temporary + mem.ALLOCATOR_OVERHEAD_BYTES
+        allocated = sum(state_bytes.values()) + acts + temporary
+        peak = mem.device_bytes(allocated)
         per_stage.append({"stage": stage, "step_s": total, "pipeline_s": end, "compute_s": compute,
                           "tp_comm_s": tp_comm, "bubble_s": max(end - compute - tp_comm, 0.0),
                           "dp_comm_s": dp_s + tied_here + gather_s, "optimizer_s": opt_s,
-                          "peak_bytes": int(peak), "activations_bytes": int(acts),
+                          "peak_bytes": int(peak), "allocated_bytes": int(allocated), "activations_bytes": int(acts),
                           "in_flight": counts, **{f"{k}_bytes": v for k, v in state_bytes.items()}})
 
     slow = max(per_stage, key=lambda s: s["step_s"])
