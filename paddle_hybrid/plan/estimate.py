@@ -239,7 +239,8 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
     def node(stage):
         return stage * pp_stride // cluster.gpus_per_node
 
-    p2p_s = {s: comm.p2p(message, node(s) == node((s + 1) % layout.pp)) for s in range(layout.pp)}
+    p2p_s = {s: comm.p2p(message, node(s) == node((s + 1) % layout.pp)) + fw.collective_latency_s  # a NCCL call too
+             for s in range(layout.pp)}
 
     def p2p(src, dst, action):  # a message crosses the boundary between stage min(src, dst) and the next
         low = min(src, dst) if abs(src - dst) == 1 else max(src, dst)   # the wrap from the last stage to stage 0
