@@ -78,7 +78,8 @@ def model_of_script(script: str, args: list, seq=None):
         if not config or not os.path.exists(config):
             raise ValueError(f"{script}: a Trainer script's model comes from --model_name_or_path's config.json; "
                              f"{path!r} has none: give it, or --model")
-        model = from_config(config, seq=int(flag_value(args, "--max_seq_length", 0) or 0) or None)
+        given = flag_value(args, "--seq_length", flag_value(args, "--max_seq_length"))  # the example's, PaddleFormers'
+        model = from_config(config, seq=int(given) if given else None)
     else:
         raise ValueError(f"{script}: a plain fleet script's model cannot be read from its arguments: give --model "
                          "(a preset or a config.json)")

@@ -151,3 +151,17 @@ def test_dryrun_top_needs_a_script(capsys):
     code, _, err = run(capsys, "--gpus", "8", "--gpu", "h100", "--global-batch", "8", "--model", "llama3-8b",
                        "--dryrun-top", "1")
     assert code == 2 and "--dryrun-top dry-runs the script" in err
+
+
+def test_a_trainer_script_s_model_is_its_configuration(tmp_path):
+    config = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "intermediate_size": 14336, "vocab_size": 128256, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+              "max_position_embeddings": 8192, "tie_word_embeddings": False, "model_type": "llama"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    trainer = os.path.join(ROOT, "examples", "paddleformers_trainer.py")
+    model = cli.model_of_script(trainer, ["--model_name_or_path", str(tmp_path), "--seq_length", "4096"])
+    assert (model.hidden, model.layers, model.kv_heads, model.ffn, model.seq) == (4096, 32, 8, 14336, 4096)
+    assert model.gated and model.rmsnorm and not model.tied and model.attention == "flash"
+    assert abs(model.params - 8.03e9) < 0.01e9  # LLaMA-3-8B
+    with pytest.raises(ValueError, match="config.json"):
+        cli.model_of_script(trainer, ["--model_name_or_path", str(tmp_path / "missing")])
