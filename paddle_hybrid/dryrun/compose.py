@@ -6,9 +6,10 @@ A chunk's layers are alike, so every figure a rank class measures is a part that
 1 layer a chunk and ``b`` at 2, the figure at ``k`` layers a chunk is ``a + (k - 1) (b - a)``.  Composed so:
 parameters, gradients and optimizer state (by dtype), activations saved per microbatch (by kind), the
 step-2 peak, each collective's calls and bytes by operation and group, and each recorded kernel's calls (by
-op, shapes, phase; the optimizer's own kernels left out); the composed peak and the GPU
-estimate are computed again from the composed parts.  Not composed: the wall time and memory of the dry run's
-own processes (those of the 2-layer run), the sharding partition.  Checked equal to the full dry run of
+op, shapes, phase; the optimizer's own kernels left out), fused FSDP's gathered group (``fused_fsdp``'s
+``gathered_*``: linear when every layer is in one group, constant when each layer is a group); the composed
+peak and the GPU estimate are computed again from the composed parts.  Not composed: the wall time and memory
+of the dry run's own processes (those of the 2-layer run), the sharding partition.  Checked equal to the full dry run of
 ``examples/gpt_pp.py`` (tests/dryrun/test_compose_layers.py).
 """
 from __future__ import annotations
@@ -87,8 +88,16 @@ def compose_entry(a: dict, b: dict, k: int) -> dict:
             out[key] = _dict(a.get(key), b.get(key), k)
     out["communication"] = _communication(a["communication"], b["communication"], k)
     out["kernels"] = _kernels(a.get("kernels", []), b.get("kernels", []), k)
+    gathered = 0
+    if b.get("fused_fsdp") and a.get("fused_fsdp"):  # fused FSDP's whole group: one group of every layer, or a layer's
+        fsdp = dict(b["fused_fsdp"], composed_from="1 and 2 layers a chunk (buffers: the 2-layer run's)")
+        for key in ("gathered_parameters_bytes", "gathered_gradients_bytes"):
+            fsdp[key] = _line(a["fused_fsdp"][key], b["fused_fsdp"][key], k)
+        out["fused_fsdp"] = fsdp
+        gathered = fsdp["gathered_parameters_bytes"] + fsdp["gathered_gradients_bytes"]
     out["composed_peak_bytes"] = int(out["parameters_bytes"] + out["gradients_bytes"] + out["optimizer_bytes"]
-                                     + out["activations_bytes_per_microbatch"] * out["in_flight_microbatches"])
+                                     + out["activations_bytes_per_microbatch"] * out["in_flight_microbatches"]
+                                     + gathered)
     out["gpu_estimate"] = gpu_estimate.estimate(out, b["gpu_estimate"]["device_bytes"])
     out["composed_from"] = "1 and 2 layers a chunk"
     return out

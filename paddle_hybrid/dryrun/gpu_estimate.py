@@ -15,7 +15,9 @@ run in bfloat16 mixed precision (PaddleFormers: ``--bf16 true --amp_master_grad 
   ``activations_by_kind``) dropped, as a flash kernel saves only its output and a per-row statistic
   (``b x heads x s`` float32: under 1/s of the scores, left out); other float32 activations halved
   (bfloat16); integer and boolean ones (masks, indices) as measured;
-- the composed peak: those, with the schedule's microbatches in flight, as the CPU figure is composed.
+- the composed peak: those, with the schedule's microbatches in flight, as the CPU figure is composed;
+  under fused FSDP with the largest group gathered whole (its parameters in bfloat16, its gradient
+  buffer float32).
 
 Not in it: a GPU's caching allocator (fragmentation), cuBLAS/cuDNN workspaces, NCCL's buffers, the
 CUDA context (about 0.5-1 GiB a process), temporaries of the kernels' backward.  So the figure is a
@@ -44,6 +46,17 @@ def _activations(by_kind: dict) -> int:
     return int(total)
 
 
+def _fsdp_gathered(fsdp) -> int:
+    """Fused FSDP's whole group in a backward (:func:`..report.fused_fsdp_summary`): its float32 parameters
+    in bfloat16, its gradient buffer float32 as measured."""
+    if not fsdp:
+        return 0
+    params = fsdp["gathered_parameters_bytes"]
+    if all(b["dtype"] == "float32" for b in fsdp["buffers"]):
+        params //= 2
+    return int(params + fsdp["gathered_gradients_bytes"])
+
+
 def estimate(entry: dict, gpu_memory_bytes: int) -> dict:
     """The GPU estimate of a class entry (see the module docstring); ``gpu_memory_bytes``: the device's size."""
     params = entry["parameters_by_dtype"] or {}
@@ -52,7 +65,8 @@ def estimate(entry: dict, gpu_memory_bytes: int) -> dict:
     gradients = int(entry["gradients_bytes"])
     optimizer = int(entry["optimizer_bytes"]) + (_float32(entry["optimizer_by_dtype"]) // 2 if fp32_params else 0)
     per_microbatch = _activations(entry.get("activations_by_kind_per_microbatch"))
-    composed = int(parameters + gradients + optimizer + per_microbatch * entry["in_flight_microbatches"])
+    composed = int(parameters + gradients + optimizer + per_microbatch * entry["in_flight_microbatches"]
+                   + _fsdp_gathered(entry.get("fused_fsdp")))
     return {"parameters_bytes": parameters, "gradients_bytes": gradients, "optimizer_bytes": optimizer,
             "activations_bytes_per_microbatch": per_microbatch, "composed_peak_bytes": composed,
             "device_bytes": int(gpu_memory_bytes), "headroom_bytes": int(gpu_memory_bytes) - composed}

@@ -14,6 +14,11 @@ has ``"rank"`` and ``"class"``; ``rank_classes`` is then empty.
 ``checkpoint_loads`` is the probe's (each checkpoint load the fake world answered without reading it:
 ``path``, ``format``, ``tensors`` and ``bytes`` of the rank, ``files``, ``file_bytes``, ``largest_file_bytes``,
 ``weights_read`` false), null where the script loaded none; the notes then name each directory not read.
+``fused_fsdp``: Paddle's fused FSDP (PaddleFormers' ``--enable_auto_parallel 1``), null without it: ``group`` (the
+FSDP group's global ranks), ``buffers`` (per fused group: ``parameters``, ``dtype``, ``element_bytes``, ``elements``
+whole, ``piece_elements`` this rank's, ``gradient_dtype``, ``gradient_element_bytes``, ``gradient_piece_elements``),
+``gathered_parameters_bytes`` and ``gathered_gradients_bytes`` (:func:`fused_fsdp_summary`), which
+``composed_peak_bytes`` adds.
 ``gpu_estimate``: the same class on a GPU in bfloat16 with flash attention, estimated, not measured
 (:mod:`.gpu_estimate`).
 
@@ -84,6 +89,7 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
     by_kind = {k: int(v) // microbatches if microbatches else int(v)
                for k, v in (probe.get("activations_by_kind") or {}).items()}
     params, grads, optim = (_total(probe.get(k)) for k in ("parameters", "gradients", "optimizer"))
+    fsdp = fused_fsdp_summary(probe.get("fused_fsdp"))
     entry = {
         "class": rank_class.label, "ranks": rank_class.ranks, "representative": rank_class.representative,
         "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": optim,
@@ -92,12 +98,13 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         "activations_bytes": activations, "activations_bytes_per_microbatch": per_microbatch,
         "microbatches": microbatches, "in_flight_microbatches": flight,
         "peak_bytes": int(probe.get("peak_bytes", 0) or 0), "peak_window": probe.get("peak_window"),
-        "composed_peak_bytes": int(params + grads + optim + per_microbatch * flight),
+        "composed_peak_bytes": int(params + grads + optim + per_microbatch * flight + _gathered(fsdp)),
         "communication": _communication(probe), "wall_s": round(run.wall_s, 2), "max_rss_bytes": run.max_rss_bytes,
         "derived_from": None,
         "routing": probe.get("routing"),  # the MoE gates' (forced-balanced in a dry run); None: no gate routed
         # the checkpoint loads the fake world answered without reading them (gloo.fake_checkpoint); None: none
         "checkpoint_loads": probe.get("checkpoint_loads"),
+        "fused_fsdp": fsdp,  # Paddle's fused FSDP (the auto-parallel path): its buffers; None: not used
         "activations_by_kind_per_microbatch": by_kind,
         # the kernels of step 2 as the probe recorded them, and the backward calls they span (the GPU step's price)
         "kernels": probe.get("kernels", []), "kernel_microbatches": int(probe.get("microbatches", 0) or 0),
@@ -105,6 +112,25 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
     }
     entry["gpu_estimate"] = gpu_estimate.estimate(entry, gpu_memory_bytes)
     return entry
+
+
+def fused_fsdp_summary(record) -> dict | None:
+    """The class's fused-FSDP buffers (the probe's ``fused_fsdp``) with what a backward holds whole besides
+    this rank's pieces: ``gathered_parameters_bytes`` and ``gathered_gradients_bytes``, the whole parameter
+    buffer (gathered for the group's forward and backward) and the whole float32 gradient buffer (filled
+    by its backward, then reduce-scattered) of the group for which they are largest together; None
+    without fused FSDP."""
+    if not record:
+        return None
+    buffers = record.get("buffers") or []
+    whole = [(b["elements"] * b["element_bytes"], b["elements"] * b["gradient_element_bytes"]
+              if b["gradient_piece_elements"] else 0) for b in buffers]
+    params, grads = max(whole, key=sum) if whole else (0, 0)
+    return dict(record, gathered_parameters_bytes=int(params), gathered_gradients_bytes=int(grads))
+
+
+def _gathered(fsdp) -> int:
+    return fsdp["gathered_parameters_bytes"] + fsdp["gathered_gradients_bytes"] if fsdp else 0
 
 
 def derived_entry(rank_class, source: dict, partition: dict, coords: list) -> dict:
@@ -155,7 +181,22 @@ def table(entries: list) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     legend = ("\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch; from rN: derived from "
               f"rank N's run, see the notes;\n {gpu_estimate.ASSUMPTIONS}; of device: its composed peak's share)")
-    return "\n".join(lines) + legend + _routing_lines(entries) + "".join(f"\n{n}" for n in checkpoint_notes(entries))
+    return ("\n".join(lines) + legend + _routing_lines(entries) + _fsdp_lines(entries)
+            + "".join(f"\n{n}" for n in checkpoint_notes(entries)))
+
+
+def _fsdp_lines(entries: list) -> str:
+    """Which classes train under Paddle's fused FSDP, and what of it their figures hold."""
+    seen, lines = set(), []
+    for e in entries:
+        if e.get("fused_fsdp") and e["class"] not in seen:
+            seen.add(e["class"])
+            lines.append(e)
+    return "".join(f"\nfused FSDP in class {e['class']} (over ranks {describe_ranks(e['fused_fsdp']['group'])}, "
+                   f"{len(e['fused_fsdp']['buffers'])} fused group(s)): params and grads are this rank's pieces of the "
+                   f"fused buffers; composed adds the largest group gathered whole in a backward "
+                   f"({gib(e['fused_fsdp']['gathered_parameters_bytes'])} parameters, "
+                   f"{gib(e['fused_fsdp']['gathered_gradients_bytes'])} gradients)" for e in lines)
 
 
 def _routing_lines(entries: list) -> str:

@@ -61,7 +61,7 @@ def reduce_scatter_on_gloo(out_tensor, in_tensor, op, group, use_kernel: bool) -
     from .fake_world import is_fake  # (fake_world builds on this module's DoneTask)
 
     if is_fake(group.process_group):  # a dry run's group: no comm context for the C++ kernel
-        group.process_group.reduce_scatter(out_tensor, in_tensor, op, True)
+        _fake_reduce_scatter(out_tensor, in_tensor, op, group, use_kernel)
         return
     with paddle.no_grad():
         if use_kernel and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -74,6 +74,30 @@ def reduce_scatter_on_gloo(out_tensor, in_tensor, op, group, use_kernel: bool) -
         dist.all_reduce(reduced, op=op, group=group)
         rows = out_tensor.shape[0]
         paddle.assign(reduced[rank * rows:(rank + 1) * rows], output=out_tensor)
+
+
+def _fake_reduce_scatter(out_tensor, in_tensor, op, group, use_kernel: bool) -> None:
+    """The fake world's answer (the process group's: this rank's slot of its input), with the memory the
+    real path below holds meanwhile, so a dry run's peak is the real run's: the kernel's output chunk
+    and its ring buffers (``received``, and ``partial`` from 3 ranks on: ``custom_ops/gloo_kernels.cc``),
+    or the all_reduce path's whole copy of the input."""
+    import paddle
+    import paddle.distributed as dist
+
+    nranks = group.nranks
+    with paddle.no_grad():
+        if use_kernel and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            held = [paddle.empty_like(out_tensor) for _ in range(1 + (nranks > 1) + (nranks > 2))]
+            group.process_group.reduce_scatter(held[0], in_tensor, op, True)
+            chunk = held[0]
+            del held[1:]
+            if op == dist.ReduceOp.AVG:  # the division's new tensor; the value stays (every rank alike)
+                chunk = chunk.clone()
+            paddle.assign(chunk, output=out_tensor)
+            return
+        reduced = in_tensor.clone()
+        group.process_group.reduce_scatter(out_tensor, reduced, op, True)
+        del reduced
 
 
 def _make_tensor_form(orig, use_kernel: bool):

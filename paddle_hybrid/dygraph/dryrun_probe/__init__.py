@@ -10,6 +10,10 @@ elements times its element size):
   DistTensor by its local value), bytes by dtype;
 - **gradients**: at the first update, each parameter's gradient (``main_grad`` where fleet keeps
   one, else ``grad``), bytes by dtype;
+- **fused FSDP** (Paddle's ``fully_shard`` in auto-parallel mode, PaddleFormers' ``--enable_auto_parallel
+  1``): its parameters hold no storage between forwards, so the parameters are this rank's pieces of
+  the fused parameter buffers and the gradients its pieces of the fused gradient buffers
+  (:func:`_fused_fsdp_buffers`); the groups are recorded (``fused_fsdp``) for the report;
 - **optimizer state**: after the first update, every accumulator and master weight of every
   optimizer that updated, bytes by dtype;
 - **activations**: bytes of the tensors saved for backward (``saved_tensors_hooks``; a storage
@@ -118,9 +122,12 @@ class _Probe:
         if self.record["optimizer_steps"] == 0:
             # while the model is alive (a script may drop it before the process exits)
             self.record["virtual_stages"] = _virtual_stages()
-            self.record["parameters"] = _by_dtype(_alive_parameters())
+            fused_params, fused_grads = _fused_fsdp_buffers()
+            self.record["parameters"] = _by_dtype(_alive_parameters() + fused_params)
             grads = [g for _, g in params_grads if g is not None]
-            self.record["gradients"] = _by_dtype(_gradients() or grads)
+            self.record["gradients"] = _by_dtype((_gradients() or grads) + fused_grads)
+            if fused_params:
+                self.record["fused_fsdp"] = _fused_fsdp_record()
         if all(o is not optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
 
@@ -295,6 +302,47 @@ def _gradients():
         if grad is not None:
             grads.append(grad)
     return grads
+
+
+def _fused_fsdp_buffers():
+    """Paddle's fused FSDP (``fully_shard`` in auto-parallel mode, :mod:`paddle_hybrid.common.fused_fsdp`):
+    ``(parameter pieces, gradient pieces)``, the fused buffers this rank holds between steps.  Its
+    parameters are freed between forwards (0 bytes here, as :func:`_nbytes` counts them); what the
+    rank keeps is each group's piece of the fused parameter buffer (the tensor the optimizer updates)
+    and its piece of the fused float32 gradient buffer (what the reduce-scatter leaves it).  The
+    whole-group buffers a forward or backward gathers into are transient: in the peak, not here."""
+    from ...common import fused_fsdp
+
+    fsdp = fused_fsdp.context()
+    if fsdp is None:
+        return [], []
+    params, grads = [], []
+    for group in fsdp.buffer_manager.buffer_groups:
+        params.append(group.params_buffer.data_buffer)
+        if group.grads_buffer is not None:
+            grads.append(group.grads_buffer.data_buffer)
+    return params, grads
+
+
+def _fused_fsdp_record() -> dict:
+    """The fused groups, for the report: per group its parameters, its buffers' dtypes and element
+    sizes, whole (padded) elements and this rank's pieces, and the FSDP group's global ranks."""
+    from ...common import fused_fsdp
+
+    fsdp = fused_fsdp.context()
+    groups = []
+    for group in fsdp.buffer_manager.buffer_groups:
+        buffer = group.params_buffer
+        piece = buffer.data_buffer
+        grads = group.grads_buffer
+        groups.append({"parameters": len(group.params), "dtype": _dtype_name(piece),
+                       "element_bytes": nbytes(piece) // max(int(piece._numel()), 1),
+                       "elements": int(buffer.total_buffer_size), "piece_elements": int(piece._numel()),
+                       "gradient_dtype": _dtype_name(grads.data_buffer) if grads is not None else None,
+                       "gradient_element_bytes": nbytes(grads.data_buffer) // max(int(grads.data_buffer._numel()), 1)
+                       if grads is not None else 0,
+                       "gradient_piece_elements": int(grads.data_buffer._numel()) if grads is not None else 0})
+    return {"group": [int(r) for r in fsdp.buffer_manager._fsdp_group.ranks], "buffers": groups}
 
 
 def _optimizer_state(optimizers):
