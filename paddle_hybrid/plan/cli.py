@@ -170,7 +170,13 @@ def _confirm(args, priced, clus, model):
     return rows
 
 
-def _draw(path, priced, clus, tie, model):
+def _lean(e):
+    """The estimate without its simulated timeline: a plan holds thousands (the best is simulated again to draw)."""
+    e.timeline = None
+    return e
+
+
+def _draw(path, priced, clus, tie, model, again):
     from . import pictures
 
     title = f"{model.name} on {clus.gpus} x {clus.gpu.name}: an estimate"
@@ -179,7 +185,7 @@ def _draw(path, priced, clus, tie, model):
         return
     best = next((e for e in priced if e.fits), priced[0])
     step_path = os.path.splitext(path)[0] + "_step.png"
-    pictures.step_timeline(best, step_path)
+    pictures.step_timeline(again(best), step_path)
     print(f"drew {path} and {step_path}")
 
 
@@ -226,14 +232,15 @@ def main(argv=None) -> int:
                 print(f"plan: layout {text.strip()}: {why}", file=sys.stderr)
                 return EXIT_REFUSED
             layouts.append(layout)
-        priced = [best_of(model, layout, clus, tables, args.global_batch, fw) for layout in layouts]
+        priced = [_lean(best_of(model, layout, clus, tables, args.global_batch, fw)) for layout in layouts]
     else:
         layouts = enumerate_layouts(model, args.gpus, args.global_batch, clus.gpus_per_node)
         if not layouts:
             print(f"plan: no layout of {args.gpus} GPUs divides this model and a global batch of {args.global_batch}",
                   file=sys.stderr)
             return EXIT_REFUSED
-        priced = [estimate(model, layout, clus, tables, args.global_batch, fw) for layout in layouts]
+        priced = [_lean(estimate(model, layout, clus, tables, args.global_batch, fw, simulate_unfit=False))
+                  for layout in layouts]
     # 4. rank and report
     priced.sort(key=lambda e: (not e.fits, e.step_time_s))
     error = measured_error(clus)
@@ -254,7 +261,7 @@ def main(argv=None) -> int:
         if confirmed is None:
             return EXIT_REFUSED
     if args.png:
-        _draw(args.png, priced, clus, tie, model)
+        _draw(args.png, priced, clus, tie, model, lambda e: estimate(model, e.layout, clus, tables, args.global_batch, fw))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model.name, "gpus": args.gpus, "gpu": gpu.name, "global_batch": args.global_batch,

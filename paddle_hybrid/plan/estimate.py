@@ -171,6 +171,44 @@ def _orders(layout, micro, fw):
     return [schedule.one_f_one_b(layout.pp, micro, s) for s in range(layout.pp)]
 
 
+# A pipeline of more microbatches than this (and over MANY_EVENTS ops) is simulated at two shorter lengths of the
+# same residue modulo the stages (fleet's interleaved order depends on it) and each stage's end extrapolated: past
+# its warm-up a schedule's steady state adds the same time for every further round of microbatches.
+MANY_EVENTS = 20000
+
+
+def _pipeline(layout, micro, fw, duration, p2p):
+    """(the simulated timeline, ``{stage: when its last backward ends}``); the timeline is of fewer microbatches
+    where the step's were extrapolated (:data:`MANY_EVENTS`)."""
+    p = layout.pp
+    short = 2 * p + micro % p
+    if 2 * micro * p * layout.vp <= MANY_EVENTS or micro <= short + p:
+        timeline = simulate(_orders(layout, micro, fw), duration, p2p)
+        return timeline, _ends(timeline, p)
+    first = simulate(_orders(layout, short, fw), duration, p2p)
+    second = simulate(_orders(layout, short + p, fw), duration, p2p)
+    a, b = _ends(first, p), _ends(second, p)
+    rounds = (micro - short) / p
+    return first, {s: a[s] + rounds * (b[s] - a[s]) for s in range(p)}
+
+
+def _textbook_ends(layout, micro, costs, p2p_s):
+    """Every stage's pipeline end without a simulation: the slowest chunk's forward and backward ``micro x vp``
+    times, plus ``pp - 1`` of them and of the messages both ways (the bubble of 1F1B; interleaving's smaller one
+    with chunks that are ``vp`` times smaller)."""
+    per_op = max(c["f_compute"] + c["f_comm"] + c["b_compute"] + c["b_comm"] for c in costs.values())
+    message = max(p2p_s.values(), default=0.0) if layout.pp > 1 else 0.0
+    end = (micro * layout.vp + layout.pp - 1) * per_op + 2 * (layout.pp - 1) * message
+    return {s: end for s in range(layout.pp)}
+
+
+def _ends(timeline, stages):
+    ends = {s: 0.0 for s in range(stages)}
+    for e in timeline.events:
+        ends[e.rank] = max(ends[e.rank], e.end)
+    return ends
+
+
 def _in_flight(order):
     """{chunk: most microbatches of that chunk held at once} when the rank runs ``order``; and the walk's peak
     as a list of (chunk) counts at the worst moment."""
@@ -182,6 +220,28 @@ def _in_flight(order):
         if total > worst:
             worst, worst_counts = total, dict(held)
     return worst_counts
+
+
+def _memory(model, layout, stage, params, order, mbs, recompute) -> dict:
+    """Phase 5 for one stage: its states, the activations its order holds at its worst moment, the largest
+    temporary; allocated, and on the device."""
+    counts = _in_flight(order)
+    states = mem.state_bytes_per_param(layout.stage if layout.sharding > 1 else 1, layout.sharding)
+    state_bytes = {k: int(v * params) for k, v in states.items()}
+    per_layer = mem.layer_activation_bytes(model, mbs, layout.tp, layout.sp, recompute)
+    chunk_layers = model.layers // (layout.pp * layout.vp)
+    acts = sum(n * per_layer * chunk_layers for n in counts.values())
+    tokens = mbs * model.seq
+    if stage == 0:
+        acts += counts.get(0, 0) * tokens * model.hidden * 3 // (layout.tp if layout.sp else 1)
+    temporary = per_layer
+    if stage == layout.pp - 1:
+        logits = tokens * model.vocab // layout.tp
+        acts += counts.get(layout.vp - 1, 0) * logits * (2 + 4)
+        temporary = max(temporary, logits * 4)
+    allocated = sum(state_bytes.values()) + acts + temporary
+    return {"peak_bytes": int(mem.device_bytes(allocated)), "allocated_bytes": int(allocated),
+            "activations_bytes": int(acts), "in_flight": counts, **{f"{k}_bytes": v for k, v in state_bytes.items()}}
 
 
 def _params_of_stage(model, layout, stage):
@@ -215,10 +275,13 @@ def _optimizer(params, layout, tables):
             + tables.memory_bound(6 * shard) + tables.memory_bound(4 * params))  # bf16 copy of master; zero grads
 
 
-def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle"], stage_costs=None) -> Estimate:
+def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle"], stage_costs=None,
+             simulate_unfit=True) -> Estimate:
     """The step of ``layout`` (its ``mbs`` and ``recompute`` given) for ``global_batch`` sequences.  ``stage_costs``
     (``{stage: {"f_compute", "f_comm", "b_compute", "b_comm"}}`` of one microbatch, e.g. priced from a dry run's
-    recorded kernels) replaces phases 1-2 for the stages it names; a stage's chunks share its costs evenly."""
+    recorded kernels) replaces phases 1-2 for the stages it names; a stage's chunks share its costs evenly.
+    ``simulate_unfit=False``: a layout that does not fit the GPU's memory gets its pipeline's time from the
+    textbook bubble instead of a simulation (a plan ranks those last; said in the notes)."""
     comm = comm_model.CommModel(cluster)
     degrees = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "sharding": layout.sharding}
     tp_place = comm_model.place(fw.order, degrees, "tp", cluster.gpus_per_node)
@@ -232,7 +295,6 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
             costs[(stage, chunk)] = {key: value / layout.vp for key, value in given.items()}
 
     # phase 3: the schedule
-    orders = _orders(layout, micro, fw)
     message = mbs * model.seq * model.hidden * 2 // (layout.tp if (fw.p2p_split_by_tp or layout.sp) else 1)
     pp_stride = comm_model.stride(fw.order, degrees, "pp")
 
@@ -250,10 +312,21 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
         c = costs[(stage, action.chunk or 0)]
         return (c["f_compute"] + c["f_comm"]) if action.kind == schedule.FORWARD else (c["b_compute"] + c["b_comm"])
 
-    timeline = simulate(orders, duration, p2p if layout.pp > 1 else (lambda src, dst, action: 0.0))
+    # phase 5 first: a layout that cannot fit need not be simulated
+    memory_orders = _orders(layout, min(micro, 2 * layout.pp + micro % layout.pp), fw)  # holds its worst early
+    memories = [_memory(model, layout, stage, _params_of_stage(model, layout, stage), memory_orders[stage], mbs,
+                        recompute) for stage in range(layout.pp)]
+    fits = max(m["peak_bytes"] for m in memories) <= cluster.memory_bytes
+    notes = []
+    if fits or simulate_unfit:
+        timeline, ends = _pipeline(layout, micro, fw, duration,
+                                   p2p if layout.pp > 1 else (lambda src, dst, action: 0.0))
+    else:
+        timeline, ends = None, _textbook_ends(layout, micro, costs, p2p_s)
+        notes.append("layouts that do not fit: pipeline time from the textbook bubble, not simulated")
 
     # phase 4: after the pipeline
-    per_stage, notes = [], []
+    per_stage = []
     tied_s = 0.0
     if model.tied and layout.pp > 1:
         ends_share_a_node = node(0) == node(layout.pp - 1)
@@ -264,35 +337,16 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
         last_b = sum(costs[(stage, c)]["b_compute"] for c in range(layout.vp))
         dp_s, gather_s = _data_parallel(params, layout, comm, cluster, fw, last_b)
         opt_s = _optimizer(params, layout, tables)
-        end = max(e.end for e in timeline.events if e.rank == stage)
+        end = ends[stage]
         tied_here = tied_s if stage in (0, layout.pp - 1) else 0.0
         total = end + dp_s + tied_here + opt_s + gather_s
         compute = sum(micro * (costs[(stage, c)]["f_compute"] + costs[(stage, c)]["b_compute"])
                       for c in range(layout.vp))
         tp_comm = sum(micro * (costs[(stage, c)]["f_comm"] + costs[(stage, c)]["b_comm"]) for c in range(layout.vp))
 
-        # phase 5: memory
-        counts = _in_flight(timeline.order(stage))
-        states = mem.state_bytes_per_param(layout.stage if layout.sharding > 1 else 1, layout.sharding)
-        state_bytes = {k: int(v * params) for k, v in states.items()}
-        per_layer = mem.layer_activation_bytes(model, mbs, layout.tp, layout.sp, recompute)
-        chunk_layers = model.layers // (layout.pp * layout.vp)
-        acts = sum(n * per_layer * chunk_layers for n in counts.values())
-        tokens = mbs * model.seq
-        if stage == 0:
-            acts += counts.get(0, 0) * tokens * model.hidden * 3 // (layout.tp if layout.sp else 1)
-        temporary = per_layer
-        if stage == layout.pp - 1:
-            logits = tokens * model.vocab // layout.tp
-            acts += counts.get(layout.vp - 1, 0) * logits * (2 + 4)
-            temporary = max(temporary, logits * 4)
-        allocated = sum(state_bytes.values()) + acts + temporary
-        peak = mem.device_bytes(allocated)
         per_stage.append({"stage": stage, "step_s": total, "pipeline_s": end, "compute_s": compute,
                           "tp_comm_s": tp_comm, "bubble_s": max(end - compute - tp_comm, 0.0),
-                          "dp_comm_s": dp_s + tied_here + gather_s, "optimizer_s": opt_s,
-                          "peak_bytes": int(peak), "allocated_bytes": int(allocated), "activations_bytes": int(acts),
-                          "in_flight": counts, **{f"{k}_bytes": v for k, v in state_bytes.items()}})
+                          "dp_comm_s": dp_s + tied_here + gather_s, "optimizer_s": opt_s, **memories[stage]})
 
     slow = max(per_stage, key=lambda s: s["step_s"])
     step = slow["step_s"]
@@ -309,5 +363,5 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
     if comm.scaled:
         notes.append(f"NVLink curve scaled from 8 x A100 (nccl-tests) by NVLink bandwidth to {cluster.gpu.name}")
     memory = {k: int(v) for k, v in slow.items() if k.endswith("_bytes")}
-    return Estimate(layout, step, breakdown, peak, memory, peak <= cluster.memory_bytes, tokens_step / step, mfu,
-                    slow["stage"], per_stage, notes, timeline)
+    return Estimate(layout, step, breakdown, peak, memory, fits, tokens_step / step, mfu, slow["stage"], per_stage,
+                    notes, timeline)

@@ -72,6 +72,9 @@ class Timeline:
 
 
 def _as_action(item, rank: int, index: int) -> Action:
+    if item.__class__ is Action and item.kind.__class__ is Kind and item.micro.__class__ is int and \
+            item.micro >= 0 and (item.chunk is None or (item.chunk.__class__ is int and item.chunk >= 0)):
+        return item  # the common case, checked without building anything
     if isinstance(item, str):
         return Action.from_str(item)
     try:
@@ -128,9 +131,12 @@ def _inputs(action: Action, stage: int, num_stages: int, num_chunks: int) -> lis
     return needs
 
 
-def _seconds(value, what: str) -> float:
+def _seconds(value, what) -> float:
+    """``value`` as seconds; ``what()`` names it in the error (built only then: a simulation makes millions)."""
+    if value.__class__ is float and 0.0 <= value < math.inf:
+        return value
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+        raise ValueError(f"{what()} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 
 
@@ -179,14 +185,14 @@ def simulate(orders, duration: Callable[[int, Action], float],
                     break
                 src = need[1]
                 message = 0.0 if src == rank else _seconds(p2p(src, rank, need[0]),
-                                                           f"p2p({src}, {rank}, {need[0]})")
+                                                           lambda: f"p2p({src}, {rank}, {need[0]})")
                 ready = max(ready, done[need] + message)
             if blocked is not None:
                 # resumed when what it waits for ends (an input never run was rejected above,
                 # so a stage still waiting at the end is in a deadlock)
                 waiting.setdefault(blocked, []).append(rank)
                 break
-            end = ready + _seconds(duration(rank, action), f"duration({rank}, {action})")
+            end = ready + _seconds(duration(rank, action), lambda: f"duration({rank}, {action})")
             done[(action, rank)] = free[rank] = end
             events.append((ready, rank, pos[rank], end, action))
             pos[rank] += 1

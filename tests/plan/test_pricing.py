@@ -11,7 +11,7 @@ from fake_tables import ADAMW_RATE, ATTENTION_RATE, GEMM_RATE, MEMORY_RATE, fake
 from paddle_hybrid.plan import comm, hardware, memory, records, tables
 from paddle_hybrid.plan.estimate import FRAMEWORKS, estimate
 from paddle_hybrid.plan.layout import parse
-from paddle_hybrid.plan.model import Transformer
+from paddle_hybrid.plan.model import PRESETS, Transformer
 
 
 @pytest.fixture
@@ -173,3 +173,25 @@ def test_no_kernel_is_faster_than_its_launch(table_path):
     ops = [op for _ in range(gpt.layers) for op in records.layer_ops(gpt, 1, 1, False, "none")]
     ops += records.embedding_ops(gpt, 1, 1, False) + records.head_ops(gpt, 1, 1, False)
     assert e.breakdown["compute_s"] == pytest.approx(3 * len(ops), rel=1e-9)
+
+
+@pytest.mark.parametrize("layout,gpus,batch", [("tp8pp8mb1rcsel", 64, 517), ("sp8pp8vp3mb1rcsel", 64, 520),
+                                               ("tp4pp4vp2dp2mb1rcnone", 32, 246), ("tp8pp16mb2rcfull", 128, 900)])
+def test_a_long_pipeline_extrapolated_equals_its_whole_simulation(layout, gpus, batch, monkeypatch):
+    """Past its warm-up a schedule adds the same time per round of microbatches: two short simulations of the same
+    residue modulo the stages, extrapolated, give every stage's end of the whole one (first and last stages
+    heavier: embedding, head)."""
+    import importlib
+
+    estimate_module = importlib.import_module("paddle_hybrid.plan.estimate")
+    gpu = hardware.gpu_named("a100-80g")
+    model = dataclasses.replace(PRESETS["gpt-175b"], layers=96)
+    args = (model, parse(layout), hardware.cluster(gpu, gpus), tables.load(gpu), batch, FRAMEWORKS["megatron"])
+    monkeypatch.setattr(estimate_module, "MANY_EVENTS", 10 ** 9)
+    whole = estimate_module.estimate(*args)
+    monkeypatch.setattr(estimate_module, "MANY_EVENTS", 100)
+    short = estimate_module.estimate(*args)
+    assert len(short.timeline.events) < len(whole.timeline.events)
+    for a, b in zip(whole.per_stage, short.per_stage):
+        assert b["step_s"] == pytest.approx(a["step_s"], rel=1e-12)
+        assert b["peak_bytes"] == a["peak_bytes"]
