@@ -70,7 +70,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OPS_DIR = os.path.join("custom_ops")
 CPU_SOURCES = [os.path.join(OPS_DIR, f) for f in ("nop.cc", "coalesce_tensor.cc", "uncoalesce_tensor.cc",
                                                   "gloo_kernels.cc", "comm_rings.cc", "local_ring.cc",
-                                                  "fake_comm.cc", "unbacked.cc")]
+                                                  "fake_comm.cc", "unbacked.cc", "moe_cpu_kernels.cc")]
 CUDA_SOURCES = [os.path.join(OPS_DIR, "coalesce_tensor.cu")]
 WITH_CUDA = paddle.is_compiled_with_cuda() and os.environ.get("PADDLE_HYBRID_NO_CUDA", "0") != "1"
 

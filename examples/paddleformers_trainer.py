@@ -17,8 +17,8 @@ seed), then train from it in any layout:
         --gradient_accumulation_steps 2 --tensor_model_parallel_size 2
 
 Other model families of PaddleFormers: ``write-tiny-model PATH --family ernie4_5`` (``llama``,
-``ernie4_5``, ``phi3``, ``gpt_oss``, ``gemma3_text``, ``deepseek_v3``, ``qwen3``): the same tiny
-sizes; the model is loaded through PaddleFormers' ``AutoModelForCausalLM`` (``...Pipe`` with a
+``ernie4_5``, ``phi3``, ``gpt_oss``, ``gemma3_text``, ``deepseek_v3``, ``qwen3``,
+``ernie4_5_moe``): the same tiny sizes; the model is loaded through PaddleFormers' ``AutoModelForCausalLM`` (``...Pipe`` with a
 pipeline), as a user's script would.  ``--untied``: an output layer of its own instead of the
 embedding's (``tie_word_embeddings=False``).  ``--size small``: a model big enough that a step is
 arithmetic more than Python (hidden 256, 4 layers, vocabulary 1024; the benchmarks' second size).
@@ -87,6 +87,12 @@ FAMILIES = {
                     {"first_k_dense_replace": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
                      "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 2, "num_experts_per_tok": 1}),
     "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    # MoE from layer 1 (4 experts, top-2, a shared expert, the correction bias: PaddleFormers' defaults, which
+    # its config.json keeps without the plugin); the MoE ops run on CPU through expert_parallel.moe_kernels
+    # (docs/paddleformers_trainer.md, ERNIE-4.5-MoE on CPU)
+    "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     {"head_dim": 8, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+                      "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_nextn_predict_layers": 0}),
 }
 
 

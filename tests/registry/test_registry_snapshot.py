@@ -39,6 +39,11 @@ each named here:
 10. ``paddleformers_fixes`` (issue 53) also waits for PaddleFormers' ``moe_communication`` module and
    its report() line says so (:data:`PADDLEFORMERS_MOE_NOTE`; nothing replaced until that module is
    imported: ``tests/dygraph/paddleformers_fixes/test_moe_alltoall_order.py``).
+11. (issue 53, item 1) ``paddleformers_fixes`` also waits for PaddleFormers' ``nn.moe.utils``
+   and ERNIE-4.5-MoE's ``configuration`` / ``modeling`` modules, its
+   report() line says so (:data:`PADDLEFORMERS_MOE_NOTE`); ``expert_parallel``, where active, enters
+   CPU kernels of the MoE ops into Paddle's kernel factory (no attribute replaced) and its report()
+   line ends naming them (:data:`EXPERT_PARALLEL_NOTE`; ``tests/ops/test_moe_cpu_kernels.py``).
 
 Everything else (every replaced attribute, its original and replacement, every other line of
 report()) is equal.  The history of the restructure before this one is in git (its baseline
@@ -107,7 +112,17 @@ ORDER_AND_FSDP_PATCHES |= {("fleet_fixes", "FullyShardFusion", "_shard_all_param
 ORDER_AND_FSDP_PATCHES |= {("fleet_fixes", "Tensor", "numpy", "Tensor.numpy", "Tensor.numpy")}
 # change 10 (issue 53): the end of paddleformers_fixes' report() line
 PADDLEFORMERS_MOE_NOTE = ("; paddleformers.nn.moe_deepep.moe_communication likewise (the all-to-all MoE expert order, "
-                          "moe_alltoall_order)")
+                          "moe_alltoall_order)"
+                          # change 11 (issue 53, item 1)
+                          "; paddleformers.nn.moe.utils likewise (its undefined async_loader; on a build without "
+                          "AsyncLoad, the CPU build, a host copy for the asynchronous offload: moe_cpu_ops); "
+                          "paddleformers.transformers.ernie4_5_moe.configuration and "
+                          "paddleformers.transformers.ernie4_5_moe.modeling likewise (ERNIE-4.5-MoE's saved "
+                          "configuration and checkpoint rules, ernie_moe_checkpoint)")
+# change 11 (issue 53, item 1): the end of expert_parallel's report() line where it is active
+EXPERT_PARALLEL_NOTE = ("; CPU kernels for 9 MoE ops of PaddleFormers' nn/moe (18 entries)" if paddle.__version__.startswith("3.3.")
+                        else f"; no CPU kernels for the MoE ops of PaddleFormers' nn/moe on Paddle {paddle.__version__} "
+                             "(their arguments are Paddle 3.3.x's)")
 AUTO_PARALLEL_PATCHES = {  # change 5
     ("auto_parallel_cpu", "_ExecutorCache", "_get_pir_program_and_executor",
      "_ExecutorCache._get_pir_program_and_executor", "_ExecutorCache._get_pir_program_and_executor"),
@@ -196,6 +211,8 @@ def _expected(before_case):
             f"active: {count} ", f"active: {count + len(AUTO_PARALLEL_PATCHES)} ", 1)
     if comps.get("paddleformers_fixes", "").startswith("active"):  # change 10
         comps["paddleformers_fixes"] += PADDLEFORMERS_MOE_NOTE
+    if comps.get("expert_parallel", "").startswith("active"):  # change 11
+        comps["expert_parallel"] += EXPERT_PARALLEL_NOTE
     comps.update(ADDED_COMPONENTS)
     for name in REGISTERED_BY.values():  # change 2: on where its gate is on, else the gate's words
         gate = rule[name]

@@ -16,6 +16,11 @@ concern                  what it makes work on CPU (details in the module's docs
                          gshard and switch gates of ``MoELayer``)
 :mod:`.global_exchange`  ``global_scatter`` / ``global_gather``, differentiable
 :mod:`.nccl_check`       ``MoELayer``'s NCCL version check on a build without NCCL
+:mod:`.moe_kernels`      CPU kernels of the MoE ops ERNIE-4.5-MoE (PaddleFormers'
+                         ``nn/moe/``) calls through ``paddle._C_ops``:
+                         ``expand_modality_expert_id``, ``moe_gate_dispatch_partial_``
+                         ``nosoftmaxtopk`` (+ grad), ``build_src_rank_and_local_expert_id``,
+                         ``moe_combine`` (+ grad), ``cal_aux_loss`` (+ grad), ``int_bincount``
 =======================  ==============================================================
 
 Two defects of ``MoELayer`` that give wrong gradients or a hang on every device are fixed in
@@ -31,16 +36,19 @@ from __future__ import annotations
 from ...gloo import all_to_all
 from ...registry.component import Component
 from ...registry.patching import Patcher
-from . import global_exchange, nccl_check, routing_kernels
+from . import global_exchange, moe_kernels, nccl_check, routing_kernels
 
 __all__ = ["COMPONENT", "apply", "CONCERNS"]
 
-CONCERNS = (all_to_all, routing_kernels, global_exchange, nccl_check)
+CONCERNS = (all_to_all, routing_kernels, global_exchange, nccl_check, moe_kernels)
 
 
-def apply(config, patcher: Patcher) -> None:
-    for concern in CONCERNS:
-        concern.apply(config, patcher)
+def apply(config, patcher: Patcher) -> str:
+    """Each concern in turn; report()'s note: the gate's reason, then what the concerns said."""
+    from ...registry import gate
+
+    notes = [concern.apply(config, patcher) for concern in CONCERNS]
+    return "; ".join(note for note in (gate.decide(config, "expert_parallel").reason, *notes) if note)
 
 
 # When: PluginConfig.expert_parallel, auto/on/off as PluginConfig.cpu (paddle_hybrid.registry.gate).

@@ -43,6 +43,15 @@ fix                      what it mends (details in the module's docstring)
                          and a micro-batch of more than one sequence: tokens computed by
                          a neighbouring expert (fixed: the micro-batch sorted as one
                          sequence of tokens); every device
+:mod:`.moe_cpu_ops`      ERNIE-4.5-MoE's MoE layer: ``get_async_loader`` reads a global
+                         never defined (``NameError`` without ``fleet.init``, every
+                         device); on a CPU build ``create_async_load`` needs
+                         ``core.AsyncLoad``, which only accelerator builds have (now a
+                         host copy); its MoE ops are CPU kernels of
+                         ``paddle_hybrid.dygraph.expert_parallel.moe_kernels``
+:mod:`.ernie_moe_checkpoint`  ERNIE-4.5-MoE without ``moe_use_aux_free`` does not load back
+                         (``from_pretrained``: the key is never saved, and the conversion
+                         rules name the bias), without shared experts cannot be saved (fixed)
 :mod:`.fake_world_files`  a dry run only (the fake world): the Trainer's resume looked for
                          a checkpoint's scheduler and state through an exchange of the
                          ranks' answers; now each rank looks at the disk itself
@@ -80,8 +89,15 @@ PIPE_MODULE = "paddleformers.nn.pp_model"
 SDPA_MODULE = "paddleformers.nn.attention.sdpa_attention"
 EMBEDDING_MODULE = "paddleformers.nn.embedding"
 MOE_COMMUNICATION_MODULE = "paddleformers.nn.moe_deepep.moe_communication"
+MOE_UTILS_MODULE = "paddleformers.nn.moe.utils"
+ERNIE_MOE_MODULE = "paddleformers.transformers.ernie4_5_moe.modeling"
+ERNIE_MOE_CONFIG_MODULE = "paddleformers.transformers.ernie4_5_moe.configuration"
 # report()'s words for the fix a user's own MoE script may need without the trainer (issue 53)
-MOE_NOTE = f"; {MOE_COMMUNICATION_MODULE} likewise (the all-to-all MoE expert order, moe_alltoall_order)"
+MOE_NOTE = (f"; {MOE_COMMUNICATION_MODULE} likewise (the all-to-all MoE expert order, moe_alltoall_order); "
+            f"{MOE_UTILS_MODULE} likewise (its undefined async_loader; on a build without AsyncLoad, the CPU "
+            "build, a host copy for the asynchronous offload: moe_cpu_ops); "
+            f"{ERNIE_MOE_CONFIG_MODULE} and {ERNIE_MOE_MODULE} likewise (ERNIE-4.5-MoE's saved configuration and "
+            "checkpoint rules, ernie_moe_checkpoint)")
 
 
 def _paddleformers_version() -> str:
@@ -164,6 +180,23 @@ def _fix_moe_communication(patcher: Patcher, moe_communication) -> None:
     moe_alltoall_order.apply_to(patcher, moe_communication)
 
 
+def _fix_moe_host_load(patcher: Patcher, utils) -> None:
+    """ERNIE-4.5-MoE's asynchronous offload (:mod:`.moe_cpu_ops`), on a verified PaddleFormers."""
+    if version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        from . import moe_cpu_ops
+
+        moe_cpu_ops.apply_to_utils(patcher, utils)
+
+
+def _fix_ernie_moe_checkpoint(patcher: Patcher, module, which: str) -> None:
+    """ERNIE-4.5-MoE's saved configuration and conversion rules (:mod:`.ernie_moe_checkpoint`), on a
+    verified PaddleFormers."""
+    if version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        from . import ernie_moe_checkpoint
+
+        (ernie_moe_checkpoint.apply_to_config if which == "config" else ernie_moe_checkpoint.apply_to)(patcher, module)
+
+
 def apply(config, patcher: Patcher) -> str:
     from ...common.import_hook import when_imported
 
@@ -177,6 +210,11 @@ def apply(config, patcher: Patcher) -> str:
     patcher.on_revert(cancel, f"the wait for {SDPA_MODULE}")
     cancel = when_imported(MOE_COMMUNICATION_MODULE, lambda module: _fix_moe_communication(patcher, module))
     patcher.on_revert(cancel, f"the wait for {MOE_COMMUNICATION_MODULE}")
+    cancel = when_imported(MOE_UTILS_MODULE, lambda module: _fix_moe_host_load(patcher, module))
+    patcher.on_revert(cancel, f"the wait for {MOE_UTILS_MODULE}")
+    for name, which in ((ERNIE_MOE_CONFIG_MODULE, "config"), (ERNIE_MOE_MODULE, "modeling")):
+        cancel = when_imported(name, lambda module, which=which: _fix_ernie_moe_checkpoint(patcher, module, which))
+        patcher.on_revert(cancel, f"the wait for {name}")
     _hook_families(patcher)
     return (f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
             f"{MOE_NOTE}")
