@@ -9,6 +9,9 @@ import pytest
 
 from paddle_hybrid.dryrun import cli, compose
 
+# Version-independent arithmetic (pricing, layouts, composition): run in one of CI's lanes (tests/conftest.py).
+pytestmark = pytest.mark.one_lane
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT_PP = os.path.join(ROOT, "examples", "gpt_pp.py")
 SMALL = ["--pp", "2", "--mp", "2", "--steps", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32",

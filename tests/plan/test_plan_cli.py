@@ -9,6 +9,9 @@ from paddle_hybrid.plan import cli
 from paddle_hybrid.plan.layout import Layout, enumerate_layouts, parse
 from paddle_hybrid.plan.model import PRESETS
 
+# Version-independent arithmetic (pricing, layouts, composition): run in one of CI's lanes (tests/conftest.py).
+pytestmark = pytest.mark.one_lane
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT_PP = os.path.join(ROOT, "examples", "gpt_pp.py")
 

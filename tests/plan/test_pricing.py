@@ -13,6 +13,9 @@ from paddle_hybrid.plan.estimate import FRAMEWORKS, estimate
 from paddle_hybrid.plan.layout import parse
 from paddle_hybrid.plan.model import PRESETS, Transformer
 
+# Version-independent arithmetic (pricing, layouts, composition): run in one of CI's lanes (tests/conftest.py).
+pytestmark = pytest.mark.one_lane
+
 
 @pytest.fixture
 def table_path(tmp_path):
