@@ -55,6 +55,20 @@ def _env():
     return env
 
 
+def _dry_run(cmd: list, report: str) -> dict:
+    """Run the dry run's command; its JSON report, with the benchmark's wall time and the exit status."""
+    start = time.time()
+    proc = subprocess.run(cmd, env=_env(), text=True, capture_output=True)
+    print(proc.stdout, flush=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+    with open(report) as f:
+        result = json.load(f)
+    result["bench_wall_s"] = round(time.time() - start, 1)
+    result["returncode"] = proc.returncode
+    return result
+
+
 def llama(case: str, work: str, seq: int, ranks: str | None) -> dict:
     nnodes, nproc, tp, pp, vp, microbatches = LAYOUTS[case]
     model = os.path.join(work, f"llama-3-8b-config-vp{vp}")
@@ -69,16 +83,7 @@ def llama(case: str, work: str, seq: int, ranks: str | None) -> dict:
            "--per_device_train_batch_size", "1", "--seq_length", str(seq), "--num_samples", "64", "--save_strategy",
            "no", "--logging_steps", "1", "--tensor_model_parallel_size", str(tp), "--pipeline_model_parallel_size",
            str(pp)]
-    start = time.time()
-    proc = subprocess.run(cmd, env=_env(), text=True, capture_output=True)
-    print(proc.stdout, flush=True)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-    with open(report) as f:
-        result = json.load(f)
-    result["bench_wall_s"] = round(time.time() - start, 1)
-    result["returncode"] = proc.returncode
-    return result
+    return _dry_run(cmd, report)
 
 
 def gpt175b(work: str) -> dict:
@@ -88,16 +93,7 @@ def gpt175b(work: str) -> dict:
            "2", "--hidden", "12288", "--heads", "96", "--layers", "96", "--ffn", "49152", "--vocab", "51200",
            "--seq-len", "2048", "--micro-batch-size", "1", "--accumulate-steps", "2", "--steps", "2",
            "--out-dir", os.path.join(work, "gpt175b-out")]
-    start = time.time()
-    proc = subprocess.run(cmd, env=_env(), text=True, capture_output=True)
-    print(proc.stdout, flush=True)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-    with open(report) as f:
-        result = json.load(f)
-    result["bench_wall_s"] = round(time.time() - start, 1)
-    result["returncode"] = proc.returncode
-    return result
+    return _dry_run(cmd, report)
 
 
 def cost(work: str) -> dict:

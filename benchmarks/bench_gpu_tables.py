@@ -113,17 +113,21 @@ def gemm_point(m, n, k, layout):
     return dict(m=m, n=n, k=k, layout=layout, time_s=t, tflops=2 * m * n * k / t / 1e12)
 
 
-def measure_gemm(budget):
+def _gemm_grid(budget, grid_m, grid_nk, part):
     rows = []
     for layout in ("nn", "nt", "tn"):
-        for m in GRID_M:
-            for n in GRID_NK:
-                for k in GRID_NK:
-                    if budget.over(f"gemm {layout} {m}x{n}x{k}"):
+        for m in grid_m:
+            for n in grid_nk:
+                for k in grid_nk:
+                    if budget.over(f"{part} {layout} {m}x{n}x{k}"):
                         return rows
                     rows.append(gemm_point(m, n, k, layout))
         torch.cuda.empty_cache()
     return rows
+
+
+def measure_gemm(budget):
+    return _gemm_grid(budget, GRID_M, GRID_NK, "gemm")
 
 
 def measure_gemm_check(budget):
@@ -181,16 +185,7 @@ FINE = sorted([2 ** p for p in range(9, 16)] + [3 * 2 ** p for p in range(8, 14)
 
 
 def measure_gemm_fine(budget):
-    rows = []
-    for layout in ("nn", "nt", "tn"):
-        for m in FINE:
-            for n in FINE:
-                for k in FINE:
-                    if budget.over(f"gemm_fine {layout} {m}x{n}x{k}"):
-                        return rows
-                    rows.append(gemm_point(m, n, k, layout))
-        torch.cuda.empty_cache()
-    return rows
+    return _gemm_grid(budget, FINE, FINE, "gemm_fine")
 
 
 def measure_membw(budget):

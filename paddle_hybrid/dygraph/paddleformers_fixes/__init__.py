@@ -109,11 +109,7 @@ def _paddleformers_version() -> str:
 
 def _fix_trainer(patcher: Patcher, trainer_module) -> None:
     """Phases: version check (warn and leave PaddleFormers alone if unverified), then the fixes."""
-    version = _paddleformers_version()
-    if not version_supported(version, VERIFIED_PADDLEFORMERS):
-        warnings.warn(f"paddle_hybrid.dygraph.paddleformers_fixes: written for PaddleFormers "
-                      f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; its fixes are not made. "
-                      f"{COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
+    if not _on_verified_version("paddle_hybrid.dygraph.paddleformers_fixes", "its fixes are not made"):
         return
     from . import (auto_grad_accumulation, auto_parallel_weights, fake_world_files, flex_checkpoint_load,
                    grad_norm_hook, trainer_resume, trainer_start)
@@ -166,14 +162,22 @@ def _fix_sdpa_attention(patcher: Patcher, sdpa_attention) -> None:
         sink_attention.apply_to(patcher, sdpa_attention)
 
 
+def _on_verified_version(what: str, otherwise: str) -> bool:
+    """Whether the installed PaddleFormers is one the fixes were verified on; else a warning naming ``what`` and
+    what is ``otherwise`` done, and the switch that silences it."""
+    version = _paddleformers_version()
+    if version_supported(version, VERIFIED_PADDLEFORMERS):
+        return True
+    warnings.warn(f"{what}: written for PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; "
+                  f"{otherwise}. {COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=3)
+    return False
+
+
 def _fix_moe_communication(patcher: Patcher, moe_communication) -> None:
     """The all-to-all expert order (:mod:`.moe_alltoall_order`), on a verified PaddleFormers; on
     another version a warning (the module is imported without the trainer by a model of one's own)."""
-    version = _paddleformers_version()
-    if not version_supported(version, VERIFIED_PADDLEFORMERS):
-        warnings.warn(f"paddle_hybrid.dygraph.paddleformers_fixes.moe_alltoall_order: written for PaddleFormers "
-                      f"{describe_versions(VERIFIED_PADDLEFORMERS)}, this is {version}; AllToAllMoECommunication "
-                      f"is left as it is. {COMPONENT.off_switch} silences this.", RuntimeWarning, stacklevel=2)
+    if not _on_verified_version("paddle_hybrid.dygraph.paddleformers_fixes.moe_alltoall_order",
+                                "AllToAllMoECommunication is left as it is"):
         return
     from . import moe_alltoall_order
 
