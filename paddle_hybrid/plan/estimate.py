@@ -254,17 +254,23 @@ def _params_of_stage(model, layout, stage):
     return n
 
 
-def _data_parallel(params, layout, comm, cluster, fw, last_backward):
-    """(exposed seconds of the gradient reduce, seconds of sharding's parameter all-gather)."""
+def _data_parallel(params, layout, comm, cluster, fw, last_backward, micro):
+    """(exposed seconds of the gradient reduce, seconds of sharding's parameter all-gather).  Sharding stage 2 and
+    3 keep only their share of the gradients, so every microbatch's gradients are reduce-scattered, each during its
+    own backward where the framework overlaps the reduce; stage 1 and plain data parallel reduce once a step."""
     place = lambda axis: comm_model.place(fw.order, {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,  # noqa
                                                      "sharding": layout.sharding}, axis, cluster.gpus_per_node)
+    overlap = fw.dp_overlap == "always" or (fw.dp_overlap == "no_pp" and layout.pp == 1)
     reduce_s = comm.all_reduce(4 * params, place("dp"))
     gather_s = 0.0
     if layout.sharding > 1:
         where = place("sharding")
-        reduce_s += comm.reduce_scatter(4 * params, where)
+        scatter_s = comm.reduce_scatter(4 * params, where)
         gather_s = comm.all_gather(2 * params, where)
-    overlap = fw.dp_overlap == "always" or (fw.dp_overlap == "no_pp" and layout.pp == 1)
+        if layout.stage >= 2:
+            per_micro = max(0.0, scatter_s - last_backward) if overlap else scatter_s
+            return (max(0.0, reduce_s - last_backward) if overlap else reduce_s) + micro * per_micro, gather_s
+        reduce_s += scatter_s
     exposed = max(0.0, reduce_s - last_backward) if overlap else reduce_s
     return exposed, gather_s
 
@@ -335,7 +341,7 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
     for stage in range(layout.pp):
         params = _params_of_stage(model, layout, stage)
         last_b = sum(costs[(stage, c)]["b_compute"] for c in range(layout.vp))
-        dp_s, gather_s = _data_parallel(params, layout, comm, cluster, fw, last_b)
+        dp_s, gather_s = _data_parallel(params, layout, comm, cluster, fw, last_b, micro)
         opt_s = _optimizer(params, layout, tables)
         end = ends[stage]
         tied_here = tied_s if stage in (0, layout.pp - 1) else 0.0

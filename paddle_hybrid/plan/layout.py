@@ -84,6 +84,17 @@ def parse(text: str) -> Layout:
     return layout
 
 
+# The replicas as plain data parallel, or as sharding at stage 1 (optimizer state) or 2 (and gradients); stage 3,
+# which gathers every layer's parameters in forward and backward, is priced only when asked (--layouts).
+_DATA = ("dp", "sharding1", "sharding2")
+
+
+def _data_degrees(data: str, replicas: int) -> dict:
+    if data == "dp":
+        return {"dp": replicas, "sharding": 1}
+    return {"dp": 1, "sharding": replicas, "stage": int(data[-1])}
+
+
 def _divisors(n: int):
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -91,7 +102,7 @@ def _divisors(n: int):
 def enumerate_layouts(model, gpus: int, global_batch: int, gpus_per_node: int, max_mbs: int = 8):
     """Every layout of ``gpus`` the model divides: tp (a power of two within a node, dividing heads, kv heads,
     FFN and vocabulary) with and without sequence parallelism, pp dividing the layers, vp where the chunks
-    divide them, data parallel as plain dp or sharding stage 1 over the replicas, micro-batch sizes
+    divide them, data parallel as plain dp or sharding stage 1 or 2 over the replicas, micro-batch sizes
     dividing the per-replica batch, each recompute."""
     out = []
     for tp in [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and gpus % t == 0]:
@@ -112,9 +123,8 @@ def enumerate_layouts(model, gpus: int, global_batch: int, gpus_per_node: int, m
                     if vp > 1 and micro % pp:
                         continue  # fleet's interleaved schedule needs microbatches a multiple of pp
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        for data in (("dp",), ("sharding",)) if replicas > 1 else (("dp",),):
+                        for data in _DATA if replicas > 1 else _DATA[:1]:
                             for rc in RECOMPUTE:
-                                deg = dict(dp=replicas, sharding=1) if data == ("dp",) else dict(dp=1,
-                                                                                                sharding=replicas)
-                                out.append(Layout(tp=tp, pp=pp, vp=vp, sp=sp, mbs=mbs, recompute=rc, **deg))
+                                out.append(Layout(tp=tp, pp=pp, vp=vp, sp=sp, mbs=mbs, recompute=rc,
+                                                  **_data_degrees(data, replicas)))
     return out

@@ -198,3 +198,24 @@ def test_a_long_pipeline_extrapolated_equals_its_whole_simulation(layout, gpus, 
     for a, b in zip(whole.per_stage, short.per_stage):
         assert b["step_s"] == pytest.approx(a["step_s"], rel=1e-12)
         assert b["peak_bytes"] == a["peak_bytes"]
+
+
+def test_sharding_stage_2_reduces_every_microbatch(table_path):
+    """Stage 1 reduce-scatters the step's gradients once; stage 2 keeps only its share, so every microbatch's are
+    reduce-scattered (with a pipeline fleet's profile hides neither behind a backward); both all-gather the
+    updated parameters once."""
+    gpt = Transformer("gpt", 1024, 16, 4, 512, 8192, attention="flash", dropout=False)
+    t = h200_tables(table_path)
+    clus = hardware.cluster(hardware.gpu_named("h200"), 16)
+    fw = dataclasses.replace(FRAMEWORKS["paddle"], launch_s=0.0, collective_latency_s=0.0)
+    one = estimate(gpt, parse("tp1pp2sharding8mb1rcnone"), clus, t, 32, fw)   # 4 microbatches a replica
+    two = estimate(gpt, parse("tp1pp2sharding8s2mb1rcnone"), clus, t, 32, fw)
+    model = comm.CommModel(clus)
+    where = comm.place(fw.order, {"tp": 1, "pp": 2, "dp": 1, "sharding": 8}, "sharding", 8)
+    for stage in (0, 1):
+        params = 2 * gpt.layer_params + gpt.embedding_params  # each stage: 2 layers and a copy of the tied embedding
+        scatter, gather = model.reduce_scatter(4 * params, where), model.all_gather(2 * params, where)
+        tied = one.per_stage[stage]["dp_comm_s"] - scatter - gather  # the tied embedding's all-reduce, alike in both
+        assert tied > 0
+        assert two.per_stage[stage]["dp_comm_s"] == pytest.approx(4 * scatter + gather + tied, rel=1e-9)
+        assert one.per_stage[stage]["gradients_bytes"] == 8 * two.per_stage[stage]["gradients_bytes"]
