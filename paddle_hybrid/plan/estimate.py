@@ -8,13 +8,14 @@ Phases of :func:`estimate`:
 2. **per microbatch**: each chunk's forward and backward seconds from its records (:mod:`.records`):
    kernels from the tables, tensor-parallel collectives on the critical path (the input-gradient
    all-reduce hidden behind the weight-gradient GEMM where the framework overlaps them);
-3. **schedule**: every stage's order (1F1B, interleaved or F-then-B as fleet runs them) simulated with the
-   point-to-point messages between stages (:mod:`.simulate`);
-4. **after the pipeline**: the data-parallel gradient reduce (or sharding's reduce-scatter and
-   all-gather), exposed except where the framework overlaps it with the last backward; tied embeddings'
-   all-reduce between the first and last stage; the optimizer;
-5. **memory**: states, the activations the simulated order keeps in flight, the largest temporary (allocated);
-   the allocator's fragmentation and the context on top (the device's).
+3. **memory** (before the schedule, so a layout that cannot fit need not be simulated): states, the activations
+   the stage's order keeps in flight at its worst, the largest temporary (allocated); the allocator's
+   fragmentation and the context on top (the device's);
+4. **schedule**: every stage's order (1F1B, interleaved or F-then-B as fleet runs them) simulated with the
+   point-to-point messages between stages (:mod:`.simulate`), a long one extrapolated from two short ones;
+5. **after the pipeline**: the data-parallel gradient reduce (or sharding's reduce-scatter and
+   all-gather; stage 2 every microbatch's), exposed except where the framework overlaps it with a backward;
+   tied embeddings' all-reduce between the first and last stage; the optimizer.
 """
 from __future__ import annotations
 
@@ -300,7 +301,7 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
         for chunk in range(layout.vp):
             costs[(stage, chunk)] = {key: value / layout.vp for key, value in given.items()}
 
-    # phase 3: the schedule
+    # phase 4: the schedule
     message = mbs * model.seq * model.hidden * 2 // (layout.tp if (fw.p2p_split_by_tp or layout.sp) else 1)
     pp_stride = comm_model.stride(fw.order, degrees, "pp")
 
@@ -318,7 +319,7 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
         c = costs[(stage, action.chunk or 0)]
         return (c["f_compute"] + c["f_comm"]) if action.kind == schedule.FORWARD else (c["b_compute"] + c["b_comm"])
 
-    # phase 5 first: a layout that cannot fit need not be simulated
+    # phase 3: memory, first: a layout that cannot fit need not be simulated
     memory_orders = _orders(layout, min(micro, 2 * layout.pp + micro % layout.pp), fw)  # holds its worst early
     memories = [_memory(model, layout, stage, _params_of_stage(model, layout, stage), memory_orders[stage], mbs,
                         recompute) for stage in range(layout.pp)]
@@ -331,7 +332,7 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
         timeline, ends = None, _textbook_ends(layout, micro, costs, p2p_s)
         notes.append("layouts that do not fit: pipeline time from the textbook bubble, not simulated")
 
-    # phase 4: after the pipeline
+    # phase 5: after the pipeline
     per_stage = []
     tied_s = 0.0
     if model.tied and layout.pp > 1:
