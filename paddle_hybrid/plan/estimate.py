@@ -301,7 +301,7 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
         for chunk in range(layout.vp):
             costs[(stage, chunk)] = {key: value / layout.vp for key, value in given.items()}
 
-    # phase 4: the schedule
+    # the schedule's messages and op times (phase 4 runs it)
     message = mbs * model.seq * model.hidden * 2 // (layout.tp if (fw.p2p_split_by_tp or layout.sp) else 1)
     pp_stride = comm_model.stride(fw.order, degrees, "pp")
 
@@ -325,6 +325,8 @@ def estimate(model, layout, cluster, tables, global_batch, fw=FRAMEWORKS["paddle
                         recompute) for stage in range(layout.pp)]
     fits = max(m["peak_bytes"] for m in memories) <= cluster.memory_bytes
     notes = []
+
+    # phase 4: the schedule
     if fits or simulate_unfit:
         timeline, ends = _pipeline(layout, micro, fw, duration,
                                    p2p if layout.pp > 1 else (lambda src, dst, action: 0.0))
