@@ -21,7 +21,7 @@ __all__ = ["dryrun_args", "confirm"]
 _RECOMPUTE = {"none": "none", "sel": "selective", "full": "full"}
 
 
-def dryrun_args(script: str, args: list, layout, global_batch: int, layers: int) -> list:
+def dryrun_args(script: str, args: list, layout, global_batch: int) -> list:
     """The script's arguments for ``layout``; ValueError naming what the script cannot take."""
     with open(script) as f:
         source = f.read()
@@ -70,7 +70,7 @@ def confirm(estimates, top: int, script: str, args: list, clus, global_batch: in
         micro = global_batch // (layout.replicas * layout.mbs)
         if micro > layout.pp and layout.vp == 1:
             argv += ["--measure-microbatches", str(layout.pp)]
-        code = dryrun_cli.main(argv + [script] + dryrun_args(script, args, layout, global_batch, layers))
+        code = dryrun_cli.main(argv + [script] + dryrun_args(script, args, layout, global_batch))
         row = {"layout": layout.name(), "plan_step_s": e.step_time_s, "plan_peak_bytes": e.peak_bytes_per_gpu,
                "plan_allocated_bytes": max(s["allocated_bytes"] for s in e.per_stage),
                "exit": code, "dryrun_step_s": None, "dryrun_gpu_estimate_bytes": None}

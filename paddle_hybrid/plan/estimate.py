@@ -211,8 +211,8 @@ def _ends(timeline, stages):
 
 
 def _in_flight(order):
-    """{chunk: most microbatches of that chunk held at once} when the rank runs ``order``; and the walk's peak
-    as a list of (chunk) counts at the worst moment."""
+    """``{chunk: microbatches of that chunk held}`` at the moment the rank running ``order`` holds the most
+    (forwards whose backward has not run yet)."""
     held, worst, worst_counts = {}, -1, {}
     for action in order:
         c = action.chunk or 0

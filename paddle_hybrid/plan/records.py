@@ -40,7 +40,7 @@ def _linear(ops, phase_fwd, m, n, k, what):
         ops.append(Op("gemm", "bwd", (k, n, m, "tn"), what + ".wgrad"))
 
 
-def _attention_core(ops, phase, model, tokens, mbs, tp, backward):
+def _attention_core(ops, phase, model, mbs, tp, backward):
     s, d = model.seq, model.head_dim
     bh = mbs * model.heads // tp
     if model.attention == "flash":
@@ -122,9 +122,9 @@ def layer_ops(model, mbs: int, tp: int, sp: bool, recompute: str = "none") -> li
         lin(t, (h + 2 * kv) // tp, h, "qkv")
         if model.rmsnorm:  # rotary on q and k
             elem(t * (h + kv) // tp * 2 * BF16, "rotary")
-        _attention_core(ops, phase, model, t, mbs, tp, backward=first)
+        _attention_core(ops, phase, model, mbs, tp, backward=first)
         if first and recompute == "sel":
-            _attention_core(ops, "recompute", model, t, mbs, tp, backward=False)
+            _attention_core(ops, "recompute", model, mbs, tp, backward=False)
         lin(t, h, h // tp, "proj")
         _tp_out(ops, phase, t, h, tp, sp, "proj")
         elem(local * h * (3 * BF16 + (1 if model.dropout else 0)), "residual1")
