@@ -1,6 +1,9 @@
 """Worker: examples/gpt_pp.py run as ``__main__`` with fleet's ``recompute_hybrid`` (the one
 ``PipelineLayer`` and ``--recompute selective`` call) counting the runs of the functions it is given:
-once in forward, once again in backward.  The count goes into the rank's result as ``recomputed``."""
+once in forward, once again in backward.  The count goes into the rank's result as ``recomputed``, and a
+digest of every parameter the rank holds after training as ``weights`` (name -> sha256 of its bytes)."""
+import gc
+import hashlib
 import os
 import runpy
 import sys
@@ -23,8 +26,15 @@ def counting_recompute(ctx, function, *args, **kwargs):
     return stock_recompute(ctx, counted, *args, **kwargs)
 
 
+def _weights() -> dict:
+    from paddle.base.framework import EagerParamBase
+
+    return {p.name: hashlib.sha256(p.numpy().tobytes()).hexdigest()
+            for p in gc.get_objects() if isinstance(p, EagerParamBase)}
+
+
 def save_with_count(result, *args, **kwargs):
-    return stock_save({**result, "recomputed": runs[0]}, *args, **kwargs)
+    return stock_save({**result, "recomputed": runs[0], "weights": _weights()}, *args, **kwargs)
 
 
 pp_layers.recompute_hybrid = counting_recompute

@@ -73,8 +73,9 @@ def test_recompute_with_dropout_is_exact(repo_root, tmp_path):
 def test_selective_recompute_is_exact(repo_root, tmp_path):
     """``--recompute selective`` (the attention core, softmax(QK^T)V, through fleet's recompute_hybrid)
     at TP=2 with dropout: the recompute redraws the attention-probability masks (model-parallel RNG),
-    so the losses equal the run without recompute bitwise.  The core ran twice per block and
-    microbatch (forward, backward: 2 x 2 blocks x 2 microbatches x 3 steps), and never without it."""
+    so the losses equal the run without recompute bitwise, and so does every parameter of every rank
+    after training.  The core ran twice per block and microbatch (forward, backward: 2 x 2 blocks x 2
+    microbatches x 3 steps), and never without it."""
     flags = SHORT + ["--out-dir", str(tmp_path / "out"), "--pp", "1", "--mp", "2", "--dropout", "0.1", "--steps", "3"]
     worker = os.path.join(repo_root, "tests", "examples", "gpt_pp_recompute_counter.py")
     plain = launch(worker, nprocs=2, args=flags, timeout=300)
@@ -83,6 +84,7 @@ def test_selective_recompute_is_exact(repo_root, tmp_path):
     assert [r["recomputed"] for r in selective] == [24, 24]
     for p, s in zip(plain, selective):
         np.testing.assert_array_equal(np.array(s["losses"]), np.array(p["losses"]))
+        assert p["weights"] and s["weights"] == p["weights"]
 
 
 def test_vocab_and_ffn_train_like_one_process(repo_root, tmp_path):
