@@ -118,6 +118,17 @@ def test_every_rank_moves_what_the_real_rank_moves(both, rank):
     _assert_moves(both["real"][rank], both["fake"][rank])
 
 
+@pytest.mark.parametrize("rank", range(8))
+def test_every_rank_runs_the_kernels_the_real_rank_runs(both, rank):
+    """The kernels the GPU step is priced from (``python -m paddle_hybrid.dryrun --gpu``): the fake world's
+    record of the measured step equals the real run's, call for call, by op, shapes, gradients and phase."""
+    def calls(record):
+        return sorted((repr({k: v for k, v in rec.items() if k != "calls"}), rec["calls"]) for rec in record["kernels"])
+
+    real, fake = both["real"][rank], both["fake"][rank]
+    assert calls(real) and calls(fake) == calls(real), rank
+
+
 def _shape_of(communication):
     """A step's communication without which ranks: (op, group size, calls, bytes), sorted."""
     return sorted((c["op"], len(c["group"] or []), c["calls"], c["bytes"]) for c in communication)
