@@ -106,19 +106,42 @@ def test_moe_block_equals_the_dense_mixture():
         np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+# In a process of its own: a flex-checkpoint load that failed earlier in the process (the suite's
+# tests/dygraph/fleet_fixes/test_tied_state.py refuses one on purpose) leaves Paddle 3.3's loader unable to load
+# any later checkpoint ("model.embed_tokens.weight should be assigned before!"), a defect of its own.
+_ROUND_TRIP = """
+import sys
+import numpy as np
+import paddle
+import paddle_hybrid
+sys.path.insert(0, sys.argv[1])
+from test_ernie_moe_cpu import _model
+from paddleformers.transformers.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+
+aux_free, shared, where = sys.argv[2] == "True", int(sys.argv[3]), sys.argv[4]
+model = _model(moe_use_aux_free=aux_free, moe_num_shared_experts=shared)
+model.save_pretrained(where)
+loaded = Ernie4_5_MoeForCausalLM.from_pretrained(where)
+assert loaded.config.moe_use_aux_free == aux_free
+before, after = model.state_dict(), loaded.state_dict()
+assert before.keys() == after.keys()
+for name in before:
+    np.testing.assert_array_equal(before[name].numpy(), after[name].numpy(), err_msg=name)
+print("round trip equal")
+"""
+
+
 @pytest.mark.parametrize("aux_free", [False, True])
 @pytest.mark.parametrize("shared", [0, 1])
 def test_save_pretrained_loads_back(tmp_path, aux_free, shared):
-    from paddleformers.transformers.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+    import os
+    import subprocess
+    import sys
 
-    model = _model(moe_use_aux_free=aux_free, moe_num_shared_experts=shared)
-    model.save_pretrained(str(tmp_path))
-    loaded = Ernie4_5_MoeForCausalLM.from_pretrained(str(tmp_path))
-    assert loaded.config.moe_use_aux_free == aux_free
-    before, after = model.state_dict(), loaded.state_dict()
-    assert before.keys() == after.keys()
-    for name in before:
-        np.testing.assert_array_equal(before[name].numpy(), after[name].numpy(), err_msg=name)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _ROUND_TRIP, os.path.dirname(os.path.abspath(__file__)), str(aux_free),
+                          str(shared), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "round trip equal" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_host_load_on_a_build_without_async_load():
