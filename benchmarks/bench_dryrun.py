@@ -20,6 +20,9 @@ Cases (``--case``, several allowed; default ``cost``):
   every class measured with 1 and 2 layers a stage and composed to its 48 (``--compose-layers``), and the step
   priced on 16 A100s from the runs' recorded kernels (``--gpu a100-80g``): a model that cannot run whole here,
   at its real per-rank shapes.
+* ``static-128``: a static program at 128 ranks: ``examples/static_mlp.py`` (``dist.to_static``: 8 blocks of
+  hidden 2048, AdamW) at pp4 x dp4 x mp8 on 16 x 8 ranks, sharding stage 1 over dp, 1F1B over 4 microbatches:
+  one run per stage and sharding rank (16 classes), each against the whole job's mesh.
 * ``cost``: the dry run's time per rank class against the same rank's step in a real run, at a size where
   both run (``examples/gpt_pp.py`` pp2, hidden 512, 2 processes on 2 cores): step 2's seconds in each.
 
@@ -96,6 +99,15 @@ def gpt175b(work: str) -> dict:
     return _dry_run(cmd, report)
 
 
+def static128(work: str) -> dict:
+    report = os.path.join(work, "static-128.json")
+    cmd = [sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "16", "--nproc_per_node", "8", "--work",
+           os.path.join(work, "static-128"), "--json", report, os.path.join(ROOT, "examples", "static_mlp.py"), "--pp",
+           "4", "--dp", "4", "--mp", "8", "--sharding-stage", "1", "--layers", "8", "--hidden", "2048",
+           "--batch-size", "64", "--accumulate-steps", "4", "--steps", "3"]
+    return _dry_run(cmd, report)
+
+
 def cost(work: str) -> dict:
     """Step 2 of rank 0 (stage 0) and rank 1 (stage 1): in a real 2-process run, and in the dry run."""
     args = ["--pp", "2", "--steps", "2", "--layers", "4", "--hidden", "512", "--heads", "8", "--seq-len", "256",
@@ -123,7 +135,7 @@ def cost(work: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", action="append", choices=["cost", "gpt175b-compose", *LAYOUTS], help="default: cost")
+    p.add_argument("--case", action="append", choices=["cost", "gpt175b-compose", "static-128", *LAYOUTS], help="default: cost")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--ranks", default=None, help="ranks to run (the dry run's --ranks)")
     p.add_argument("--out", default="runs/bench_dryrun.json")
@@ -133,7 +145,7 @@ def main(argv=None) -> int:
     results = {}
     for case in args.case or ["cost"]:
         results[case] = cost(work) if case == "cost" else gpt175b(work) if case == "gpt175b-compose" else \
-            llama(case, work, args.seq, args.ranks)
+            static128(work) if case == "static-128" else llama(case, work, args.seq, args.ranks)
     print("\ncase            rank/class          wall s   peak RSS GiB   peak alloc GiB   composed GiB   GPU est. GiB")
     for case, result in results.items():
         if case == "cost":

@@ -401,6 +401,27 @@ void* ph_fake_replacement(const char* name) {
   return it == table.end() ? nullptr : it->second;
 }
 
+// A fake comm context under `key` (rank `rank` of `size`), as CreateGlooCommContext makes in a fake
+// world.  Python's `CommContextManager.create_gloo_comm_context` takes the function's address (a GOT
+// entry, not the PLT slot replaced), so a static program's ring is made here instead.  0: made;
+// -1: not a fake world (nothing made).
+int ph_fake_comm_context(const char* key, int rank, int size) {
+  if (!ph_fake::fake_world.load()) return -1;
+  ph_fake::PhCreateGloo(nullptr, key, rank, size);
+  return 0;
+}
+
+// The log names the context under `key` by that key: one Python made through Paddle's own
+// CreateGlooCommContext (its address, not the slot replaced), as PhCreateGloo names those it makes.
+// 0: named; -1: no context under `key`.
+int ph_comm_log_name(const char* key) {
+  auto& manager = phi::distributed::CommContextManager::GetInstance();
+  if (!manager.Has(key)) return -1;
+  std::lock_guard<std::mutex> lock(ph_fake::log_mutex);
+  ph_fake::Keys()[manager.Get(key)] = key;
+  return 0;
+}
+
 void ph_fake_set_original(const char* name, void* fn) { ph_fake::Originals()[name] = fn; }
 
 // 1: CreateGlooCommContext makes fake contexts (the fake world); 0: Paddle's.  The global store

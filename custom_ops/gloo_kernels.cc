@@ -537,13 +537,28 @@ auto Reported(const char* op, Fn fn) -> decltype(fn()) {
   }
 }
 
+// The comm context of ring `ring_id` when it is a fake one (a dry run's, `fake_comm.h`), else null.
+const phi::distributed::CommContext* RingFake(int ring_id) {
+  auto& manager = phi::distributed::CommContextManager::GetInstance();
+  const std::string key = std::to_string(ring_id);
+  if (!manager.Has(key)) return nullptr;
+  const phi::distributed::CommContext* ctx = manager.Get(key);
+  return ph_fake::IsFake(ctx) ? ctx : nullptr;
+}
+
 void PhSendV2Kernel(paddle::Tensor& x, int ring_id, int peer, bool dynamic_shape) {  // NOLINT
   Reported("ph_send_v2", [&] {
     PD_CHECK(x.is_cpu() && x.is_dense_tensor(), "ph_send_v2: a dense CPU tensor is needed.");
+    const auto& dense = *static_cast<const DenseTensor*>(x.impl().get());
+    if (const auto* fake = RingFake(ring_id)) {  // a dry run: nobody receives; the shape is recorded
+      ph_fake::Log("send", fake, ph_fake::Bytes(dense), peer);
+      return ph_fake::FakeSend(fake, dense, peer);
+    }
     Count("SendV2");
     RingSender::RaiseError();
-    SenderOf(RingGloo(ring_id, "ph_send_v2"), ring_id)
-        .Post(*static_cast<const DenseTensor*>(x.impl().get()), peer, dynamic_shape);
+    GlooCommContext* comm = RingGloo(ring_id, "ph_send_v2");
+    ph_fake::Log("send", comm, ph_fake::Bytes(dense), peer);
+    SenderOf(comm, ring_id).Post(dense, peer, dynamic_shape);
   });
 }
 
@@ -551,14 +566,25 @@ std::vector<paddle::Tensor> PhRecvV2Kernel(const paddle::Tensor& like, int ring_
                                            const std::vector<int>& out_shape, bool dynamic_shape) {
   return Reported("ph_recv_v2", [&] {
     PD_CHECK(like.is_cpu(), "ph_recv_v2: runs on CPU only.");
-    Count("RecvV2");
     auto out = std::make_shared<DenseTensor>();
+    if (const auto* fake = RingFake(ring_id)) {  // a dry run: the shape asked for (or the sender's record)
+      if (dynamic_shape) {
+        ph_fake::FakeRecvShape(fake, peer, out.get());
+      } else {
+        out->Resize(common::make_ddim(std::vector<int64_t>(out_shape.begin(), out_shape.end())));
+      }
+      CpuContext().Alloc(out.get(), like.dtype());
+      ph_fake::FakeRecv(fake, out.get(), peer);  // logs the receive
+      return std::vector<paddle::Tensor>{paddle::Tensor(out)};
+    }
+    Count("RecvV2");
     GlooCommContext* comm = RingGloo(ring_id, "ph_recv_v2");
     try {
       GlooRecv(comm, CpuContext(), peer, like.dtype(), out_shape, dynamic_shape, out.get());
     } catch (const std::exception& e) {
       PD_THROW(PeerWords(ring_id, comm, peer, "a receive from"), ": ", e.what());
     }
+    ph_fake::Log("recv", comm, ph_fake::Bytes(*out), peer);
     return std::vector<paddle::Tensor>{paddle::Tensor(out)};
   });
 }

@@ -109,6 +109,9 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         # the kernels of step 2 as the probe recorded them, and the backward calls they span (the GPU step's price)
         "kernels": probe.get("kernels", []), "kernel_microbatches": int(probe.get("microbatches", 0) or 0),
         "stage": stage,
+        # a static program's values kept for backward whose shape has an unknown dimension: not in the bytes
+        "activations_unsized": int(probe.get("activations_unsized", 0) or 0),
+        "program": probe.get("program"),  # "pir" or "legacy" for a static program; None: dygraph
     }
     entry["gpu_estimate"] = gpu_estimate.estimate(entry, gpu_memory_bytes)
     return entry
@@ -181,8 +184,15 @@ def table(entries: list) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     legend = ("\n(bytes: GiB, or M = MiB, K = KiB; act/mb: saved for backward per microbatch; from rN: derived from "
               f"rank N's run, see the notes;\n {gpu_estimate.ASSUMPTIONS}; of device: its composed peak's share)")
-    return ("\n".join(lines) + legend + _routing_lines(entries) + _fsdp_lines(entries)
+    return ("\n".join(lines) + legend + _routing_lines(entries) + _fsdp_lines(entries) + _unsized_lines(entries)
             + "".join(f"\n{n}" for n in checkpoint_notes(entries)))
+
+
+def _unsized_lines(entries: list) -> str:
+    """Classes whose static program keeps values of an unknown size for backward: act/mb holds less."""
+    return "".join(f"\nclass {e['class']}: {e['activations_unsized']} value(s) its static program keeps for backward have "
+                   "a dimension unknown before the run (-1, not the batch): left out of act/mb and composed, which "
+                   "are short of them; the peak (step 2) includes them" for e in entries if e.get("activations_unsized"))
 
 
 def _fsdp_lines(entries: list) -> str:

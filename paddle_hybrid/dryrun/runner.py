@@ -41,6 +41,8 @@ def rank_environment(rank: int, world_size: int, nproc: int, world_file: str, pr
         "PADDLE_LOCAL_SIZE": str(nproc), "PADDLE_NNODES": str(world_size // nproc),
         "PADDLE_TRAINER_ENDPOINTS": endpoints, "PADDLE_CURRENT_ENDPOINT": endpoints.split(",")[rank],
         "PADDLE_MASTER": endpoints.split(",")[0], "PADDLE_DISTRI_BACKEND": "gloo", "PADDLE_NODE_RANK": str(node),
+        # the launcher's pod name: dist.to_static calls fleet.init when it sees one, as in the real job
+        "POD_NAME": f"dryrun-node{node}",
         "PADDLE_HYBRID_FAKE_WORLD": world_file, "PADDLE_HYBRID_DRYRUN_PROBE": probe_dir,
         # an all-to-all without peers cannot say what a gate's experts would receive: a balanced step is measured
         "PADDLE_HYBRID_BALANCED_ROUTING": "1",

@@ -44,7 +44,7 @@ import ctypes
 import functools
 import threading
 
-from . import fake_world
+from . import fake_contexts, fake_world
 
 __all__ = ["USE_RING_OP", "SEND_OP", "RECV_OP", "CommContextConflict", "address", "apply", "ensure", "flush_sends",
            "has", "made", "select_rings", "selected"]
@@ -101,14 +101,14 @@ def ensure(group_id: int, ranks: list, rank: int, world_ranks: list, store_of, t
     if has(key):
         _check_same_group(group_id, list(ranks), list(world_ranks))
         return False
-    if fake_world.active():  # at once, not after the rendezvous's deadline
-        raise NotImplementedError(
-            f"paddle_hybrid.dryrun: a static program's ring {group_id} (ranks {list(ranks)}): the dry run steps "
-            "dygraph scripts (fleet, PaddleFormers' Trainer, the semi-auto API without dist.to_static); static "
-            "programs (dist.to_static, fleet's static pipeline, Engine) are not supported yet.")
-    core.CommContextManager.create_gloo_comm_context(store_of(), key, list(ranks).index(rank), len(ranks))
+    if fake_world.active():  # no peer to meet: a fake context (gloo.fake_contexts) of the same rank and size
+        fake_contexts.make_fake_context(key, list(ranks).index(rank), len(ranks))
+    else:
+        core.CommContextManager.create_gloo_comm_context(store_of(), key, list(ranks).index(rank), len(ranks))
+        fake_contexts.name_in_log(key)  # a real run's probe logs its collectives by this key
     made[group_id] = address(key)
-    _set_deadline(made[group_id], timeout)
+    if not fake_world.active():  # a fake context (gloo.fake_contexts) waits on nothing and is no gloo context
+        _set_deadline(made[group_id], timeout)
     return True
 
 

@@ -75,6 +75,8 @@ def _library():
     library = ctypes.CDLL(ops.library_path())
     library.ph_fake_replacement.argtypes = [ctypes.c_char_p]
     library.ph_fake_replacement.restype = ctypes.c_void_p
+    library.ph_comm_log_name.argtypes = [ctypes.c_char_p]
+    library.ph_fake_comm_context.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
     library.ph_fake_set_original.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
     library.ph_comm_next_seq.restype = ctypes.c_longlong
     library.ph_comm_log_json.restype = ctypes.c_char_p
@@ -151,6 +153,21 @@ def _point_slots(patcher, library, names) -> int:
     return count
 
 
+def make_fake_context(key: str, rank: int, size: int) -> None:
+    """A fake comm context under ``key`` in this fake world, as ``CreateGlooCommContext`` makes for the
+    semi-auto API (Python's ``create_gloo_comm_context`` reaches Paddle's own through its address, not
+    through the slot replaced here)."""
+    if _library().ph_fake_comm_context(str(key).encode(), int(rank), int(size)) != 0:
+        raise RuntimeError("paddle_hybrid: a fake comm context asked for outside the fake world")
+
+
+def name_in_log(key: str) -> None:
+    """The log names the real comm context under ``key`` (made by Python's ``create_gloo_comm_context``,
+    which the replaced slot does not see) by its key, so its collectives' ranks are known."""
+    if _STATE["applied"] is not None:
+        _library().ph_comm_log_name(str(key).encode())
+
+
 def next_seq() -> int:
     """The next number of the order C++ and Python collectives share."""
     return int(_library().ph_comm_next_seq())
@@ -189,9 +206,23 @@ def ranks_of_key(key: str, size: int) -> list | None:
         group = collective._group_map.get(int(key))  # not _get_group_map(): it would add a world group
         if group is not None and group.nranks == size:
             return list(group.ranks)
+        static = _static_program_group(int(key))
+        if static is not None and len(static) == size:
+            return static
         return list(range(size)) if key == "0" else None
     numbers = [int(n) for n in re.findall(r"\d+", key)]
     return numbers if len(numbers) == size else None
+
+
+def _static_program_group(group_id: int) -> list | None:
+    """The global ranks of an auto-parallel static program's process group ``group_id`` (its rings are
+    numbered apart from ``paddle.distributed``'s groups), or None."""
+    try:
+        from paddle.distributed.auto_parallel.static import process_group
+    except ImportError:
+        return None
+    group = process_group._g_process_group_map.get(group_id)
+    return list(group.ranks) if group is not None else None
 
 
 def merged(python_entries: list) -> list:

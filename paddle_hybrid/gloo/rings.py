@@ -65,6 +65,26 @@ class RingInfo:
 rings: dict = {}
 """ring id -> :class:`RingInfo` of every ring this process created a gloo context for."""
 
+
+def global_ranks(info: RingInfo) -> list | None:
+    """The job's ranks of ``info``'s members (their endpoints' places in the job's), or None when an
+    endpoint is not the job's."""
+    import os
+
+    job = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")
+    try:
+        return [job.index(endpoint) for endpoint in info.endpoints]
+    except ValueError:
+        return None
+
+
+def ranks_of_group(process_group) -> list | None:
+    """The job's ranks of a ring's process group, or None when it is no ring's."""
+    for info in list(rings.values()):
+        if info.group is process_group:
+            return global_ranks(info)
+    return None
+
 _calls = itertools.count()
 
 
@@ -137,6 +157,16 @@ def create_ring(info: RingInfo, call: int, timeout: float) -> None:
                 f"({existing.describe()}); now asked for {info.describe()}. One process can hold one gloo "
                 "group per ring id: build one pipeline program per process.")
         return  # the same ring again (a second program in this process): reuse it
+    from . import fake_world
+
+    if fake_world.active():  # a dry run: no peer to meet; its sends and receives answer at once
+        from .groups import ensure_process_group
+
+        ensure_process_group()  # the job's default group, as the real run makes it with its store
+        info.group = fake_world.FakeProcessGroup(info.rank, info.nranks, _GROUP_ID_BASE + info.ring_id,
+                                                 global_ranks(info))
+        rings[info.ring_id] = info
+        return
     try:
         store = ring_store(info, call, timeout)
         info.group = core.ProcessGroupGloo.create(store, info.rank, info.nranks, _GROUP_ID_BASE + info.ring_id)

@@ -132,16 +132,3 @@ def test_the_dry_run_fails_on_a_contradicted_shape(tmp_path, capsys):
     (records / "sent_cpp.1.json").write_text(json.dumps([{"pair": pair, "dims": [8, 32], "dtype": 10}]))
     assert cli._shapes_contradicted(str(tmp_path))
     assert f"message 0 on {pair} had dims [4, 32]" in capsys.readouterr().out
-
-
-def test_a_static_program_is_refused_at_once(tmp_path):
-    """``dist.to_static`` in the dry run: refused at its first ring, naming what is supported, instead of
-    waiting out the rendezvous's deadline for peers that do not exist (seen first: 60 s, then the
-    rendezvous's timeout naming ring rank 1)."""
-    worker = os.path.join(ROOT, "tests", "static", "auto_parallel_cpu", "worker_to_static.py")
-    proc = subprocess.run([sys.executable, "-m", "paddle_hybrid.dryrun", "--nnodes", "1", "--nproc_per_node", "2",
-                           "--ranks", "0", "--timeout", "120", "--work", str(tmp_path / "dry"), worker],
-                          env=dict(_env(), LAYOUT="mp"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    assert "static programs (dist.to_static, fleet's static pipeline, Engine) are not supported yet" in proc.stdout
-    assert "did not reach the rendezvous" not in proc.stdout
