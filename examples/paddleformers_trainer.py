@@ -18,13 +18,20 @@ seed), then train from it in any layout:
 
 Other model families of PaddleFormers: ``write-tiny-model PATH --family ernie4_5`` (``llama``,
 ``ernie4_5``, ``phi3``, ``gpt_oss``, ``gemma3_text``, ``deepseek_v3``, ``qwen3``,
-``ernie4_5_moe``): the same tiny sizes; the model is loaded through PaddleFormers' ``AutoModelForCausalLM`` (``...Pipe`` with a
-pipeline), as a user's script would.  ``--untied``: an output layer of its own instead of the
+``ernie4_5_moe``, ``qwen3_moe``, ``glm4_moe``, ``qwen2_moe``): the same tiny sizes (the last three
+with 4 experts, top-2); the model is loaded through PaddleFormers' ``AutoModelForCausalLM`` (``...Pipe`` with a
+pipeline), as a user's script would.  Qwen3-MoE, GLM4-MoE and Qwen2-MoE are PaddleFormers' own
+``...ForCausalLMDeprecated`` models where paddlefleet is absent (``paddle_hybrid``'s stand-ins;
+docs/paddleformers_trainer.md); expert parallelism over the tensor-parallel ranks:
+``--tensor_model_parallel_size 2 --sequence_parallel true --use_expert_parallel true
+--expert_model_parallel_size 2 --moe_token_dispatcher_type alltoall`` (GLM4-MoE also
+``--use_unified_moe true``).  ``--untied``: an output layer of its own instead of the
 embedding's (``tie_word_embeddings=False``).  ``--size small``: a model big enough that a step is
 arithmetic more than Python (hidden 256, 4 layers, vocabulary 1024; the benchmarks' second size).
 
 Every flag is a ``TrainingArguments`` flag except ``--model_name_or_path``, ``--seq_length``,
-``--num_samples``, ``--init_from_config`` (:class:`ModelDataArguments`; builds the model from
+``--num_samples``, ``--moe_token_dispatcher_type``, ``--use_unified_moe`` (the model configuration's, which
+PaddleFormers does not save), ``--init_from_config`` (:class:`ModelDataArguments`; builds the model from
 ``config.json`` with random weights, for a model whose checkpoint is not at hand, as
 ``python -m paddle_hybrid.dryrun`` runs LLaMA-3-8B) and ``--virtual_pipeline_model_parallel_size``
 (the model configuration's virtual pipeline degree, which ``TrainingArguments`` has no flag for).  Saving (``--save_steps``) writes the Trainer's
@@ -53,6 +60,14 @@ class ModelDataArguments:
         default=False, metadata={"help": "build the model from --model_name_or_path's config.json with random "
                                          "weights (seeded) instead of loading them: a model of any size without its "
                                          "checkpoint, as python -m paddle_hybrid.dryrun runs one"})
+    moe_token_dispatcher_type: str = dataclasses.field(
+        default="", metadata={"help": "the MoE layer's expert-parallel communication, \"alltoall\" or \"deepep\" "
+                                      "(the model configuration's moe_token_dispatcher_type, which PaddleFormers does "
+                                      "not save in config.json; empty: the configuration's own, \"deepep\")"})
+    use_unified_moe: str = dataclasses.field(
+        default="", metadata={"help": "true/false: the model configuration's use_unified_moe (GLM4-MoE's "
+                                      "expert-parallel layer: PaddleFormers' ModularMoELayer); empty: the "
+                                      "configuration's own"})
     virtual_pipeline_model_parallel_size: int = dataclasses.field(
         default=0, metadata={"help": "virtual pipeline stages a pipeline stage (the model configuration's "
                                      "virtual_pipeline_model_parallel_size, which TrainingArguments has no flag for; "
@@ -93,7 +108,21 @@ FAMILIES = {
     "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
                      {"head_dim": 8, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
                       "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_nextn_predict_layers": 0}),
+    # PaddleFormers' own models of these (paddlefleet builds ...ForCausalLM; GPU-only, not on the index): built on
+    # a machine without paddlefleet through paddle_hybrid's stand-ins (docs/paddleformers_trainer.md, MoE families)
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLMDeprecated",
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
+    "glm4_moe": ("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLMDeprecated",
+                 {"head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                  "topk_group": 1, "norm_topk_prob": True}),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLMDeprecated",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32, "norm_topk_prob": True}),
 }
+# Families whose modules import paddlefleet / paddlefleet_ops: the plugin's stand-ins let them import without.
+PADDLEFLEET_FAMILIES = ("qwen3_moe", "glm4_moe", "qwen2_moe")
 
 
 def cpu_model_settings() -> dict:
@@ -116,6 +145,8 @@ def write_tiny_model(path: str, seed: int = 42, family: str = "llama", tie_embed
     if size not in SIZES:
         raise SystemExit(f"--size {size!r}: one of {', '.join(SIZES)}")
     module, config_name, model_name, own = FAMILIES[family]
+    if family in PADDLEFLEET_FAMILIES:
+        import paddle_hybrid  # noqa: F401  (the stand-ins of paddlefleet's imports)
     classes = importlib.import_module(f"paddleformers.transformers.{module}")
     paddle.set_device("cpu")
     paddle.seed(seed)
@@ -194,6 +225,11 @@ def load_model(model_args: ModelDataArguments, training_args):
     if model_args.virtual_pipeline_model_parallel_size:
         config.virtual_pipeline_model_parallel_size = model_args.virtual_pipeline_model_parallel_size
     config.max_sequence_length = model_args.seq_length  # sequence parallel splits sequences of this length
+    config.seq_length = model_args.seq_length  # the MoE gates' per-sequence auxiliary loss reads this one
+    if model_args.moe_token_dispatcher_type:
+        config.moe_token_dispatcher_type = model_args.moe_token_dispatcher_type
+    if model_args.use_unified_moe:
+        config.use_unified_moe = model_args.use_unified_moe.lower() in ("1", "true", "yes")
     cls = AutoModelForCausalLMPipe if training_args.pipeline_model_parallel_size > 1 else AutoModelForCausalLM
     if model_args.init_from_config:
         import paddle

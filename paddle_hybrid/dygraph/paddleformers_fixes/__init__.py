@@ -16,8 +16,20 @@ fix                      what it mends (details in the module's docstring)
 :mod:`.recompute_flags`  ``--recompute_granularity/method/num_layers`` never reach
                          the model's config: no layer is recomputed (every device)
 :mod:`.families`         GPT-OSS and Gemma3 under tensor parallelism train wrong
-                         (refused); Qwen's and the MoE models' GPU-only imports
-                         (paddlefleet, paddlefleet_ops) named with what to do on CPU
+                         (refused)
+:mod:`.paddlefleet_standins`  Qwen2/Qwen3(-MoE), GLM4-MoE, DeepSeek-V3 stop at import on
+                         a machine without paddlefleet / paddlefleet_ops (GPU-only):
+                         stand-ins, and the Auto classes give PaddleFormers' own
+                         ``...Deprecated`` models (only while those are absent)
+:mod:`.moe_dispatcher`   expert parallelism with ``moe_token_dispatcher_type="alltoall"``
+                         built DeepEP's dispatcher anyway (fails without DeepEP; now
+                         none is built); layers that cannot run under EP refused by
+                         name (DeepEP-only layers without DeepEP, TP without SP,
+                         Qwen2-MoE's own model)
+:mod:`.moe_sequence_parallel`  TP + sequence parallel: Qwen3-MoE's final norm and, under
+                         EP, the modular MoE layer's gate trained from each rank's
+                         part of the gradient (now marked sequence-parallel; every
+                         device)
 :mod:`.auto_grad_accumulation`  ``--enable_auto_parallel 1`` with gradient accumulation
                          sums the micro-batches' gradients (fleet averages them)
 :mod:`.auto_parallel_weights`  ``--enable_auto_parallel 1``: every weight empty after
@@ -97,7 +109,10 @@ MOE_NOTE = (f"; {MOE_COMMUNICATION_MODULE} likewise (the all-to-all MoE expert o
             f"{MOE_UTILS_MODULE} likewise (its undefined async_loader; on a build without AsyncLoad, the CPU "
             "build, a host copy for the asynchronous offload: moe_cpu_ops); "
             f"{ERNIE_MOE_CONFIG_MODULE} and {ERNIE_MOE_MODULE} likewise (ERNIE-4.5-MoE's saved configuration and "
-            "checkpoint rules, ernie_moe_checkpoint)")
+            "checkpoint rules, ernie_moe_checkpoint); nn.moe_deepep.modular_moe_layer, transformers.moe_layer and "
+            "qwen2_moe.modeling likewise (expert parallelism: the all-to-all path without DeepEP's dispatcher, the "
+            "layers that cannot run refused: moe_dispatcher); qwen3_moe.modeling and the modular MoE layer likewise "
+            "(sequence-parallel marks of Qwen3-MoE's final norm and, under EP, the gate: moe_sequence_parallel)")
 
 
 def _paddleformers_version() -> str:
@@ -141,17 +156,48 @@ def _fix_embedding(patcher: Patcher, embedding) -> None:
 
 
 def _hook_families(patcher: Patcher) -> None:
-    """The refusals of :mod:`.families`, each when its module is imported (a verified PaddleFormers)."""
+    """The refusals of :mod:`.families`, each when its module is imported (a verified PaddleFormers);
+    the stand-ins of :mod:`.paddlefleet_standins` (a finder that checks the version when it is asked),
+    the expert-parallel layers of :mod:`.moe_dispatcher` and the marks of :mod:`.moe_sequence_parallel`."""
+    import sys
+
+    from ...common.import_hook import when_imported
+    from . import paddlefleet_standins
+
+    finder = paddlefleet_standins.StandInFinder(lambda: _on_verified_version(
+        "paddle_hybrid.dygraph.paddleformers_fixes.paddlefleet_standins",
+        "paddlefleet and paddlefleet_ops are not stood in for (their import errors stand)"))
+    sys.meta_path.insert(0, finder)
+    patcher.on_revert(lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None,
+                      "the stand-ins of paddlefleet / paddlefleet_ops (sys.meta_path)")
     if not version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
         return
-    from ...common.import_hook import when_import_fails, when_imported
-    from . import families
+    from . import families, moe_dispatcher, moe_sequence_parallel
 
     for name in families.REFUSE_TENSOR_PARALLEL:
         cancel = when_imported(name, lambda module: families.refuse_in(patcher, module))
         patcher.on_revert(cancel, f"the wait for {name}")
-    for name in families.IMPORT_FAILURES:
-        patcher.on_revert(when_import_fails(name, families.translate_import_failure(name)), f"the import hook of {name}")
+    for name, fix in ((paddlefleet_standins.AUTO_MODELING, paddlefleet_standins.apply_to_auto),
+                      (moe_dispatcher.MODULAR_MODULE, moe_dispatcher.apply_to_modular),
+                      (moe_dispatcher.FLEX_LAYER_MODULE, moe_dispatcher.apply_to_flex_layer),
+                      (moe_dispatcher.QWEN2_MOE_MODULE, moe_dispatcher.apply_to_qwen2_moe),
+                      (moe_sequence_parallel.QWEN3_MOE_MODULE, moe_sequence_parallel.apply_to_qwen3_moe),
+                      (moe_dispatcher.MODULAR_MODULE, moe_sequence_parallel.apply_to_modular)):
+        cancel = when_imported(name, lambda module, fix=fix: fix(patcher, module))
+        patcher.on_revert(cancel, f"the wait for {name}")
+
+
+def _standins_note() -> str:
+    """report()'s words for the stand-ins: only where paddlefleet is absent."""
+    from . import paddlefleet_standins
+
+    missing = [p for p in ("paddlefleet", "paddlefleet_ops") if paddlefleet_standins.absent(p)]
+    if not missing or not version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        return ""
+    return (f"; {' and '.join(missing)} absent: stood in for at the import of "
+            f"{' and '.join(m for m, p in paddlefleet_standins.NEEDS.items() if p in missing)}, "
+            "AutoModelForCausalLM(Pipe) gives PaddleFormers' own ...Deprecated model of Qwen2/Qwen3(-MoE) and "
+            "GLM4-MoE (paddlefleet_standins)")
 
 
 def _fix_sdpa_attention(patcher: Patcher, sdpa_attention) -> None:
@@ -221,7 +267,7 @@ def apply(config, patcher: Patcher) -> str:
         patcher.on_revert(cancel, f"the wait for {name}")
     _hook_families(patcher)
     return (f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
-            f"{MOE_NOTE}")
+            f"{MOE_NOTE}{_standins_note()}")
 
 
 # Verified on Paddle 3.2 and 3.3: the wait for the import itself (PaddleFormers 1.2 imports only on Paddle >= 3.3).

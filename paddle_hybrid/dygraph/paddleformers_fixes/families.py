@@ -13,11 +13,9 @@ and a fix would change the model a GPU user trains, so the plugin refuses instea
   parallel loss stops on the plain, unsplit embedding tied to it ("the vocab_size should be
   splited"); with ``tensor_parallel_output=False`` it trains, and every norm weight differs between
   the tensor-parallel ranks after step 1 (each rank's own gradient).
-* **Qwen2 / Qwen3 (and their MoE)**: PaddleFormers 1.2 builds them with paddlefleet's ``GPTModel``;
-  its "pip install paddlefleet" advice cannot work: paddlefleet is GPU-only and not on the package
-  index.  **DeepSeek-V3, Qwen3-MoE, GLM4-MoE**: their MoE dispatcher imports ``paddlefleet_ops`` when
-  the model module is imported ("No module named 'paddlefleet_ops'").  Both import errors are
-  replaced by one that names the package and what a CPU user can do.
+* **Qwen2 / Qwen3 (and their MoE), GLM4-MoE, DeepSeek-V3** import GPU-only packages (paddlefleet,
+  paddlefleet_ops) that are not on the package index: stood in for by :mod:`.paddlefleet_standins`
+  (PaddleFormers' own model classes then build); their expert-parallel layers by :mod:`.moe_dispatcher`.
 
 (GPT-OSS and Gemma3 under a pipeline are refused by :mod:`.pipe_models`.)
 """
@@ -25,8 +23,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["FamilyRefused", "REFUSE_TENSOR_PARALLEL", "IMPORT_FAILURES", "tensor_parallel_refusal",
-           "translate_import_failure"]
+__all__ = ["FamilyRefused", "REFUSE_TENSOR_PARALLEL", "tensor_parallel_refusal"]
 
 
 class FamilyRefused(ValueError):
@@ -45,20 +42,6 @@ REFUSE_TENSOR_PARALLEL = {
         "tensor_parallel_output=False every norm weight trains from each rank's own gradient"),
 }
 
-IMPORT_FAILURES = {
-    "paddleformers.transformers.gpt_provider": (
-        "paddlefleet",
-        "PaddleFormers 1.2 builds Qwen2 / Qwen3 (and their MoE) with paddlefleet's GPTModel; paddlefleet is a "
-        "GPU-only package and is not on the package index, so `pip install paddlefleet` cannot help on CPU. Train "
-        "another family on CPU (LLaMA, ERNIE-4.5, Phi3 train in every layout), or use a PaddleFormers whose Qwen "
-        "does not need paddlefleet"),
-    "paddleformers.transformers.fused_a2a": (
-        "paddlefleet_ops",
-        "PaddleFormers 1.2's MoE token dispatcher imports paddlefleet_ops (GPU-only kernels, not on the package "
-        "index) as soon as a MoE model's module is imported (DeepSeek-V3, Qwen3-MoE, GLM4-MoE): these models "
-        "cannot be built on CPU. Train a dense family on CPU (LLaMA, ERNIE-4.5, Phi3)"),
-}
-
 
 def tensor_parallel_refusal(module_name: str, config) -> FamilyRefused | None:
     cls_name, family, why = REFUSE_TENSOR_PARALLEL[module_name]
@@ -68,18 +51,6 @@ def tensor_parallel_refusal(module_name: str, config) -> FamilyRefused | None:
     return FamilyRefused(f"{family} with tensor parallelism ({degree}) in PaddleFormers 1.2: {why}. Train {family} "
                          f"without tensor parallelism (data parallel and sharding are not affected). "
                          f"(paddle_hybrid.paddleformers_fixes.families; python -m paddle_hybrid.verify shows it)")
-
-
-def translate_import_failure(module_name: str):
-    package, why = IMPORT_FAILURES[module_name]
-
-    def translate(exc):
-        if package not in str(exc):
-            return None
-        return ImportError(f"{why}. (The import failed with: {type(exc).__name__}: {exc}) "
-                           f"(paddle_hybrid.paddleformers_fixes.families)")
-
-    return translate
 
 
 def _make_init(original, module_name):
