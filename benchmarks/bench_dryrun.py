@@ -165,6 +165,10 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {args.out}")
+    failed = [case for case, result in results.items() if result.get("returncode")]
+    if failed:  # a report without its classes is no figure
+        print(f"FAILED: the dry run of {', '.join(failed)} exited non-zero (its output above)", file=sys.stderr)
+        return 1
     return 0
 
 

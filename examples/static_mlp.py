@@ -138,7 +138,9 @@ def main(argv=None):
         stage = {1: dist.ShardingStage1, 2: dist.ShardingStage2, 3: dist.ShardingStage3}[args.sharding_stage]
         optimizer = dist.shard_optimizer(optimizer, stage("dp", world_mesh))
     loader = paddle.io.DataLoader(Data(args), batch_size=args.batch_size, shuffle=False)
-    loader = dist.shard_dataloader(loader, meshes=stage_meshes if args.pp > 1 else stage_meshes[0], shard_dims="dp")
+    # x enters on the first stage, y on the last (a pipeline's loader gives one mesh per item of a batch)
+    meshes = [stage_meshes[0], stage_meshes[-1]] if args.pp > 1 else stage_meshes[0]
+    loader = dist.shard_dataloader(loader, meshes=meshes, shard_dims="dp")
     program = dist.to_static(model, loader, paddle.nn.MSELoss(), optimizer, strategy=_strategy(args))
     program.train()
     losses = []

@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(ROOT, "paddle_hybrid", "testing", "resume_script.py")
 TIMEOUT = 300
 STEPS = 8
+# the launcher's restart loop and the checkpoint it resumes from (not Paddle's version): one CI lane, tests/conftest.py
+pytestmark = pytest.mark.one_lane
 
 
 def _run(tmp_path, name, *script_args, launcher_args=("--max_restart", "1"), deadline=60):
