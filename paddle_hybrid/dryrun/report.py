@@ -11,6 +11,12 @@ whose representative ran, else the rank whose run it was derived from (:func:`de
 An error of a rank's run (a script that ended before the measured step, its second optimizer step) also
 has ``"rank"`` and ``"class"``; ``rank_classes`` is then empty.
 ``routing`` is the probe's (how the class's MoE gates routed: forced-balanced), null where no gate routed.
+``experts`` (null where no gate routed): what the class's MoE layers hold and move, a step of forced-balanced
+routing: ``routing`` (its mode), ``moe_layers`` (the layers that routed), ``experts_per_layer``, ``experts_held``
+(their sum: the experts this rank holds), ``expert_parameters_bytes`` (their parameters), as the probe found them
+(:mod:`paddle_hybrid.common.routing_record`; null where it found no layer), and ``all_to_all_bytes`` /
+``all_to_all_calls`` of step 2 (the communication log's ``all_to_all`` entries: the token exchanges and any
+count exchange, each call's tensor as logged) (:func:`experts_entry`).
 ``checkpoint_loads`` is the probe's (each checkpoint load the fake world answered without reading it:
 ``path``, ``format``, ``tensors`` and ``bytes`` of the rank, ``files``, ``file_bytes``, ``largest_file_bytes``,
 ``weights_read`` false), null where the script loaded none; the notes then name each directory not read.
@@ -40,7 +46,11 @@ from .classes import corresponding_group, describe_ranks
 
 GPU_MEMORY_BYTES = 80 * 10**9  # an 80 GB device (the dry run's --gpu-memory)
 
-__all__ = ["class_entry", "derived_entry", "in_flight", "table", "write_json", "gib", "checkpoint_notes"]
+__all__ = ["class_entry", "derived_entry", "in_flight", "table", "write_json", "gib", "checkpoint_notes",
+           "experts_entry", "expert_lines", "ROUTING_KEYS"]
+
+# what the probe's ``routing`` says of the gates; the rest of it is the experts' (experts_entry)
+ROUTING_KEYS = ("mode", "gate_calls", "top_k", "tokens_per_expert")
 
 
 def _total(by_dtype) -> int:
@@ -101,7 +111,8 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         "composed_peak_bytes": int(params + grads + optim + per_microbatch * flight + _gathered(fsdp)),
         "communication": _communication(probe), "wall_s": round(run.wall_s, 2), "max_rss_bytes": run.max_rss_bytes,
         "derived_from": None,
-        "routing": probe.get("routing"),  # the MoE gates' (forced-balanced in a dry run); None: no gate routed
+        # the MoE gates' (forced-balanced in a dry run); None: no gate routed
+        "routing": {k: v for k, v in probe["routing"].items() if k in ROUTING_KEYS} if probe.get("routing") else None,
         # the checkpoint loads the fake world answered without reading them (gloo.fake_checkpoint); None: none
         "checkpoint_loads": probe.get("checkpoint_loads"),
         "fused_fsdp": fsdp,  # Paddle's fused FSDP (the auto-parallel path): its buffers; None: not used
@@ -113,8 +124,21 @@ def class_entry(rank_class, run, stages: int, schedule_microbatches: int | None 
         "activations_unsized": int(probe.get("activations_unsized", 0) or 0),
         "program": probe.get("program"),  # "pir" or "legacy" for a static program; None: dygraph
     }
+    entry["experts"] = experts_entry(probe.get("routing"), entry["communication"])
     entry["gpu_estimate"] = gpu_estimate.estimate(entry, gpu_memory_bytes)
     return entry
+
+
+def experts_entry(routing: dict | None, communication: list) -> dict | None:
+    """The class's experts and their all-to-all in step 2, from the probe's ``routing`` and the class's
+    ``communication`` (:func:`_communication`); None where no gate routed."""
+    if not routing:
+        return None
+    exchanges = [c for c in communication if c["op"] == "all_to_all"]
+    return {"routing": routing.get("mode"), "moe_layers": routing.get("moe_layers"),
+            "experts_per_layer": routing.get("experts_per_layer"), "experts_held": routing.get("experts_held"),
+            "expert_parameters_bytes": routing.get("expert_parameters_bytes"),
+            "all_to_all_bytes": sum(c["bytes"] for c in exchanges), "all_to_all_calls": sum(c["calls"] for c in exchanges)}
 
 
 def fused_fsdp_summary(record) -> dict | None:
@@ -189,8 +213,13 @@ def table(entries: list) -> str:
 
 
 def _unsized_lines(entries: list) -> str:
-    """Classes whose static program keeps values of an unknown size for backward: act/mb holds less."""
-    return "".join(f"\nclass {e['class']}: {e['activations_unsized']} value(s) its static program keeps for backward have "
+    """Static programs: their peak is one run's; classes whose program keeps values of an unknown size for
+    backward (act/mb holds less)."""
+    static = [e["class"] for e in entries if e.get("program")]
+    note = (f"\nstatic program in class(es) {', '.join(static)}: peak (step 2) is this run's; Paddle's executor frees "
+            "by its own schedule and the same rank's peak varied up to 2x between runs here (docs/dryrun.md); "
+            "params, grads, optim, act/mb and the collectives are the program's own") if static else ""
+    return note + "".join(f"\nclass {e['class']}: {e['activations_unsized']} value(s) its static program keeps for backward have "
                    "a dimension unknown before the run (-1, not the batch): left out of act/mb and composed, which "
                    "are short of them; the peak (step 2) includes them" for e in entries if e.get("activations_unsized"))
 
@@ -210,10 +239,34 @@ def _fsdp_lines(entries: list) -> str:
 
 
 def _routing_lines(entries: list) -> str:
-    """Which classes' MoE gates routed, and how (a dry run forces them balanced)."""
+    """Which classes' MoE gates routed, and how (a dry run forces them balanced), with their experts."""
     return "".join(f"\nMoE routing {e['routing']['mode']} in class {e['class']}: tokens this rank sent each expert "
                    f"(top-{e['routing']['top_k']}, last gate call) {e['routing']['tokens_per_expert']}"
-                   for e in entries if e.get("routing"))
+                   + (f"; {line}" if line else "")
+                   for e, line in ((e, expert_line(e)) for e in entries) if e.get("routing"))
+
+
+def expert_line(entry: dict) -> str:
+    """What the class's experts hold and move, in words; empty without experts."""
+    experts = entry.get("experts")
+    if not experts:
+        return ""
+    held = ("experts not found" if experts["experts_held"] is None else
+            f"{experts['experts_held']} expert{'' if experts['experts_held'] == 1 else 's'} held "
+            f"({_per_layer(experts['experts_per_layer'])}), {gib(experts['expert_parameters_bytes'])} of parameters")
+    return f"{held}; all-to-all {gib(experts['all_to_all_bytes'])} in {experts['all_to_all_calls']} calls in step 2"
+
+
+def _per_layer(counts: list) -> str:
+    if len(set(counts)) == 1:
+        return f"{counts[0]} a layer x {len(counts)} MoE layer{'' if len(counts) == 1 else 's'}"
+    return f"{', '.join(str(c) for c in counts)} in its {len(counts)} MoE layers"
+
+
+def expert_lines(entries: list) -> list:
+    """A note per class with experts: what it holds and moves (the JSON's ``notes``)."""
+    return [f"experts in class {e['class']} ({e['experts']['routing']} routing): {expert_line(e)}" for e in entries
+            if expert_line(e)]
 
 
 def checkpoint_notes(entries: list) -> list:

@@ -123,8 +123,9 @@ class _Probe:
         steps = self.record["optimizer_steps"]
         if steps == 0:
             # Python's cyclic garbage of the first step (the loader's tensors, the feed) would otherwise
-            # be freed, or not, inside the measured step, when the collector happens to run: peaks
-            # of one rank varied from 1.7 to 3.6 MiB over five runs without this, within 2 % with it
+            # be freed, or not, inside the measured step, when the collector happens to run: one rank's
+            # peak over five runs, 1.7-3.6 MiB without this, 1.69-1.73 MiB with it (the executor's own
+            # schedule still moves it: docs/dryrun.md)
             gc.collect()
             self.record["program"] = "pir" if static_programs._pir(program) else "legacy"
             # while the script's optimizer is alive (dist.shard_optimizer's axis); fleet.init's default
