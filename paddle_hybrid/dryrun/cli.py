@@ -270,6 +270,7 @@ def _report(args, base, step_estimate, started) -> None:
     from the model's shapes, its pricing), or None without ``--gpu``; the step is priced again from the kernels
     the runs recorded where they recorded any."""
     base["notes"].extend(report.checkpoint_notes(base["rank_classes"]))  # checkpoints not read (fake world)
+    base["notes"].extend(report.expert_lines(base["rank_classes"]))  # each class's experts, forced-balanced routing
     print(report.table(base["rank_classes"]), flush=True)
     if step_estimate is not None:
         shapes_estimate, pricing = step_estimate
@@ -309,6 +310,9 @@ def _run_composed(args, script, run_args, world_size, chosen, work, base, starte
         measured.append(run["rank_classes"])
     base.update({key: run[key] for key in ("degrees", "not_run") if key in run})  # fleet's own, as the runs took them
     base["rank_classes"] = compose.entries(measured[0], measured[1], per_chunk)
+    for entry in base["rank_classes"]:  # the experts are counted, not composed: the run of 2 layers a chunk
+        if entry.get("experts"):
+            entry["experts"] = dict(entry["experts"], composed_from="not composed: the run with 2 layers a chunk")
     base["composed_from_layers"] = [chunks, 2 * chunks]
     base["notes"].append(compose.NOTE.format(one=chunks, two=2 * chunks, layers=total, per_chunk=per_chunk))
     _report(args, base, step_estimate, started)

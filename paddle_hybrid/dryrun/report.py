@@ -138,7 +138,8 @@ def experts_entry(routing: dict | None, communication: list) -> dict | None:
     return {"routing": routing.get("mode"), "moe_layers": routing.get("moe_layers"),
             "experts_per_layer": routing.get("experts_per_layer"), "experts_held": routing.get("experts_held"),
             "expert_parameters_bytes": routing.get("expert_parameters_bytes"),
-            "all_to_all_bytes": sum(c["bytes"] for c in exchanges), "all_to_all_calls": sum(c["calls"] for c in exchanges)}
+            "all_to_all_bytes": sum(c["bytes"] for c in exchanges),
+            "all_to_all_calls": sum(c["calls"] for c in exchanges)}
 
 
 def fused_fsdp_summary(record) -> dict | None:

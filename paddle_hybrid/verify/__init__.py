@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from .layouts import Layout, LayoutError, layout_args
+from .layouts import Layout, LayoutError, for_kind, layout_args
 
 __all__ = ["main", "run_layout", "LayoutError"]
 
@@ -59,6 +59,7 @@ def run_layout(script: str, args: list, layout: Layout | None, kind: str, flags:
     ranks over ``nnodes`` launchers (:mod:`.nodes`); ``(ok, seconds, log tail)``.  The one-process
     run also records each parameter element's rounding allowance for ``gradient_rtol`` (:class:`~paddle_hybrid.dygraph.verify_record.RoundingAllowance`)."""
     os.makedirs(directory, exist_ok=True)
+    layout = for_kind(kind, layout)  # a Trainer's ep: over its tensor-parallel ranks (layouts.for_kind)
     name = layout.name if layout else "one"
     plan = {"layout": name, "degrees": layout.degrees if layout else {}, "set_degrees": kind == "fleet",
             "seeded_init": kind == "fleet", "reference": layout is None, "gradient_rtol": gradient_rtol}

@@ -15,7 +15,7 @@ from . import DEFAULT_ATOL, DEFAULT_GRAD_RTOL, DEFAULT_RTOL, EXIT_DIFFERS, EXIT_
 from . import compare as compare_mod
 from . import nodes as nodes_mod
 from . import shrink as shrink_mod
-from .layouts import KINDS, LayoutError, kind_of, layout_args, parse_layouts, script_flags
+from .layouts import KINDS, LayoutError, for_kind, kind_of, layout_args, parse_layouts, script_flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
             source = f.read()
         kind = kind_of(source) if opts.kind == "auto" else opts.kind
         flags = script_flags(source) if kind == "flags" else trainer_flags(source) if kind == "trainer" else None
+        layouts = [for_kind(kind, layout) for layout in layouts]  # a Trainer's ep: over its TP ranks (layouts.py)
         for layout in [None, *layouts]:  # every layout's arguments made before any run: fail fast
             layout_args(kind, opts.args, layout, flags)
         nodes_mod.check(layouts, opts.nnodes)

@@ -21,8 +21,16 @@ How a script takes a layout depends on what the script is (:func:`kind_of`):
   ``--per_device_train_batch_size`` is divided by the data-parallel replicas, so every layout
   trains the same global batch as one process.  PaddleFormers 1.2 has no virtual-pipeline flag:
   ``vp`` goes through the script's own ``--virtual_pipeline_model_parallel_size`` where it declares
-  one (``examples/paddleformers_trainer.py``), and is refused where it does not; expert parallel
-  through the Trainer was not tried: refused.
+  one (``examples/paddleformers_trainer.py``), and is refused where it does not.  Expert parallel: on
+  CPU PaddleFormers' Trainer takes one expert-parallel layout, the experts spread over the
+  tensor-parallel ranks with sequence parallelism (docs/paddleformers_trainer.md), so ``epN`` (and
+  ``tpNepN``, ``spNepN``) is that: ``--tensor_model_parallel_size N --sequence_parallel true
+  --use_expert_parallel true --expert_model_parallel_size N``, N processes, no data parallelism
+  (:func:`for_kind`).  Refused, naming the flag: EP beside data parallelism (its
+  ``TrainingArguments`` refuses it), beside sharding (PaddleFormers' ``MoEHybridParallelOptimizer``
+  asks for sharding V2, ``--split_param``, which asks for ``--amp_master_grad``, which asks for
+  bf16/fp16), beside a pipeline or segment parallel (not tried), an EP degree other than TP, and the
+  EP flags given on the command line (the layout states them).
 * ``flags``: the script declares how it takes degrees, in a module-level dict
   ``PADDLE_HYBRID_LAYOUT_FLAGS`` (read from its source, not run; ``examples/gpt_pp.py`` and
   ``examples/moe_ep.py`` have one).  Its keys (:data:`FLAG_KEYS`): the degrees ``mp``, ``pp``,
@@ -50,7 +58,7 @@ from ..common.script_kind import TRAINER_VP_FLAG, argument_defaults, kind_of
 from ..common.script_kind import script_flags as _declared_flags
 
 __all__ = ["Layout", "parse_layouts", "kind_of", "script_flags", "ScriptFlags", "layout_args", "LayoutError",
-           "DEGREES", "FLAG_KEYS"]
+           "DEGREES", "FLAG_KEYS", "for_kind", "TRAINER_EP_FLAGS"]
 
 TRAINER_DEFAULT_BATCH = "8"  # TrainingArguments' per_device_train_batch_size when not given
 DEGREES = ("mp", "pp", "vp", "dp", "sharding", "sep", "ep")
@@ -138,6 +146,47 @@ class Layout:
 
 ONE_PROCESS = Layout("tp1")  # every degree 1
 
+# The Trainer's expert-parallel flags: the verifier states them per layout (none in one process).
+TRAINER_EP_FLAGS = ("--use_expert_parallel", "--expert_model_parallel_size")
+
+
+def for_kind(kind: str, layout: Layout | None) -> Layout | None:
+    """``layout`` as a script of ``kind`` runs it: for a Trainer script an expert-parallel layout is
+    the one PaddleFormers' Trainer takes on CPU, EP over the tensor-parallel ranks with sequence
+    parallelism (``ep2`` and ``tp2ep2``: tensor parallel 2, sequence parallel, expert parallel 2, 2
+    processes, no data parallelism), refused (:class:`LayoutError`, naming the flag) where the Trainer
+    cannot take it; every other layout, and any layout of another kind, as it is.  Idempotent."""
+    if kind != "trainer" or layout is None or layout.degrees["ep"] < 2:
+        return layout
+    import copy
+
+    d, name, ep = dict(layout.degrees), layout.name, layout.degrees["ep"]
+    if layout.implied_dp:  # epN alone: Paddle's topology reuses the data-parallel ranks, the Trainer the TP ones
+        d["dp"] = 1
+    over_tp = (f"on CPU PaddleFormers' Trainer takes expert parallel only over the tensor-parallel ranks with "
+               f"sequence parallel (write ep{ep}: --tensor_model_parallel_size {ep} --sequence_parallel true "
+               f"--expert_model_parallel_size {ep})")
+    refusals = [
+        (d["dp"] > 1, f"data parallel {d['dp']} beside --expert_model_parallel_size {ep}: PaddleFormers' "
+                      "TrainingArguments refuses expert parallel with data parallel (NotImplementedError)"),
+        (d["sharding"] > 1, f"--sharding (sharding {d['sharding']}) beside --expert_model_parallel_size {ep}: "
+                            "PaddleFormers' MoEHybridParallelOptimizer asks for sharding V2 (--split_param true), "
+                            "which asks for --amp_master_grad, which asks for bf16/fp16 (refused on CPU)"),
+        (d["pp"] > 1, f"--pipeline_model_parallel_size {d['pp']} beside --expert_model_parallel_size {ep}: not tried "
+                      "(the MoE families' pipeline models under expert parallel)"),
+        (d["sep"] > 1, f"--sep_parallel_size {d['sep']} beside --expert_model_parallel_size {ep}: segment parallel "
+                       "is refused for the Trainer (paddleformers_fixes.segment_parallel)"),
+        (d["mp"] not in (1, ep), f"--tensor_model_parallel_size {d['mp']} with --expert_model_parallel_size {ep}: "
+                                 "an expert-parallel group other than the tensor-parallel group was not tried"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise LayoutError(f"layout {name}: a Trainer script cannot take {why}; {over_tp}")
+    adapted = copy.copy(layout)
+    d["mp"] = ep
+    adapted.degrees, adapted.implied_dp, adapted.sequence_parallel = d, False, True
+    return adapted
+
 
 def parse_layouts(text: str) -> list:
     layouts = [Layout(part.strip()) for part in text.split(",") if part.strip()]
@@ -216,17 +265,19 @@ def _trainer_args(args: list, layout: Layout | None, flags: dict | None = None) 
     """``flags``: the degree flags the script declares beyond TrainingArguments'
     (:func:`~paddle_hybrid.common.script_kind.trainer_flags`)."""
     args = _without(args, ["--logging_steps"]) + ["--logging_steps", "1"]
+    given = [flag for flag in TRAINER_EP_FLAGS if _value(args, flag) is not None]
+    if given:
+        raise LayoutError(f"{given[0]} on the script's command line: give expert parallel through the layout "
+                          "(ep2, tp2ep2), which states it in each run (none in one process)")
     if layout is None:
         return args
+    layout = for_kind("trainer", layout)
     d = layout.degrees
     if d["vp"] > 1 and "vp" not in (flags or {}):
         raise LayoutError(f"layout {layout.name}: a Trainer script takes vp{d['vp']} only through an argument "
                           f"{TRAINER_VP_FLAG} that sets the model configuration's virtual_pipeline_model_parallel_size "
                           "(PaddleFormers' TrainingArguments has no virtual-pipeline flag; "
                           "examples/paddleformers_trainer.py has one)")
-    if d["ep"] > 1:
-        raise LayoutError(f"layout {layout.name}: a Trainer script cannot take ep{d['ep']}: expert parallel through "
-                          "the Trainer was not tried")
     given = _value(args, "--per_device_train_batch_size", TRAINER_DEFAULT_BATCH)
     args = _without(args, ["--tensor_model_parallel_size", "--pipeline_model_parallel_size", "--sharding",
                            "--sharding_parallel_size", "--sequence_parallel", "--per_device_train_batch_size",
@@ -245,6 +296,8 @@ def _trainer_args(args: list, layout: Layout | None, flags: dict | None = None) 
         extra += ["--sep_parallel_size", str(d["sep"])]
     if layout.sequence_parallel:
         extra += ["--sequence_parallel", "true"]
+    if d["ep"] > 1:
+        extra += ["--use_expert_parallel", "true", "--expert_model_parallel_size", str(d["ep"])]
     return args + extra
 
 

@@ -11,11 +11,26 @@ divisibilities, and shrinks the widths and the layers per stage:
   gives a rank the real model's heads (experts) per rank, and the query-to-kv ratio (GQA's group)
   is the real one.  A count that does not divide over a layout's degree is refused: the real model
   cannot be split so either (PaddleFormers' attention asserts ``num_key_value_heads % tp == 0``).
+* **routing** (MoE): kept as the real model routes, whatever the family calls it: the experts
+  (:data:`EXPERT_FIELDS`), top-k (:data:`TOP_K_FIELDS`: ``num_experts_per_tok``, ``moe_k``), the shared
+  experts (:data:`SHARED_FIELDS`: ``n_shared_experts``, ``moe_num_shared_experts``), the routing groups
+  (``n_group``, ``topk_group``: DeepSeek-V3's and GLM4-MoE's group-limited routing).  Refused when the
+  real model could not route so either: experts that do not split into the groups, more groups
+  chosen than there are, a top-k beyond the experts (or the chosen groups') to choose from.
+* **MoE layers**: which layers are MoE keeps the real model's shape in the shrunk layers (each family's
+  rule: ``first_k_dense_replace`` and ``moe_layer_freq``; ``moe_layer_start_index`` /
+  ``moe_layer_end_index`` / ``moe_layer_interval``; ``decoder_sparse_step`` and ``mlp_only_layers``):
+  the dense layers first where the real model starts dense (one at least, leaving an MoE layer),
+  the end index the last layer where it is the real last one, a spacing no wider than the shrunk
+  layers, the dense-only layers that still exist; at least one MoE layer (:func:`moe_layers`).
 * **head dimension** :data:`HEAD_DIM` (the real one when smaller), even: rotary embeddings turn
   pairs of dimensions.  The hidden size follows (heads x head dimension where the real model has
   that; else scaled by the same factor).
 * **FFN sizes** (``intermediate_size``, the experts' and shared experts'): the real ratio to the
-  hidden size, rounded up to a multiple of every tensor-parallel degree (each rank's slice whole).
+  hidden size, rounded up to a multiple of every tensor-parallel degree (each rank's slice whole);
+  the experts' (``moe_intermediate_size``, ``shared_expert_intermediate_size``) at most
+  :data:`EXPERT_FFN_CAP` (so rounded): an MoE layer keeps all its experts (DeepSeek-V3: 256), and an
+  expert's width, like any width, is not what a rank's share of the layout is made of.
   Low-rank projections (MLA's ``q_lora_rank``, ``kv_lora_rank``) scale with the hidden size,
   MLA's head dimensions with the head dimension.
 * **layers**: ``chunks x per chunk``, ``chunks`` the least common multiple of the layouts'
@@ -47,18 +62,25 @@ import sys
 from .layouts import LayoutError
 
 __all__ = ["Shrunk", "ShrinkError", "shrink", "from_file", "for_script", "prepare", "sequence_of", "script_arguments",
-           "write_model",
-           "HEAD_DIM", "MIN_VOCAB", "LAYERS_PER_CHUNK_CAP", "VOCAB_GRANULARITY"]
+           "write_model", "moe_layers",
+           "HEAD_DIM", "MIN_VOCAB", "LAYERS_PER_CHUNK_CAP", "VOCAB_GRANULARITY", "EXPERT_FFN_CAP"]
 
 HEAD_DIM = 8
 MIN_VOCAB = 64
 LAYERS_PER_CHUNK_CAP = 2
 VOCAB_GRANULARITY = 128  # padding granularities commonly used for vocabularies (x tp)
+EXPERT_FFN_CAP = 32  # an expert's FFN width at most (rounded up to a whole slice per tensor-parallel rank)
 
 HEAD_FIELDS = ("num_attention_heads",)
 KV_FIELDS = ("num_key_value_heads",)
 EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k")
+SHARED_FIELDS = ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts")
 FFN_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+EXPERT_FFN_FIELDS = ("moe_intermediate_size", "shared_expert_intermediate_size")
+# the fields that say which layers are MoE (moe_layers): handled by _moe_placement, not as per-layer lists
+MOE_LAYER_FIELDS = ("first_k_dense_replace", "moe_layer_freq", "moe_layer_start_index", "moe_layer_end_index",
+                    "moe_layer_interval", "decoder_sparse_step", "mlp_only_layers")
 LOW_RANK_FIELDS = ("q_lora_rank", "kv_lora_rank")
 MLA_HEAD_DIM_FIELDS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SEQUENCE_FLAGS = ("--seq_length", "--max_seq_length", "--max_length")
@@ -181,9 +203,14 @@ def _widths(config: dict, layouts: list, fields: list) -> None:
                 raise ShrinkError(f"layout {layout.name}: {name} {real} over tp {tp} is not a whole slice per rank; "
                                   f"the real model cannot be split so either")
         config[name] = _round_up(real * new_hidden / hidden, step)
-        fields.append(Field(name, real, config[name], f"the real ratio to hidden_size ({real / hidden:.3g}), rounded "
-                                                      f"up to a multiple of {step} (tp {tp_lcm}: a whole slice per "
-                                                      f"rank)"))
+        why = (f"the real ratio to hidden_size ({real / hidden:.3g}), rounded up to a multiple of {step} (tp {tp_lcm}: "
+               f"a whole slice per rank)")
+        cap = _round_up(EXPERT_FFN_CAP, step)
+        if name in EXPERT_FFN_FIELDS and config[name] > cap and _first(config, EXPERT_FIELDS):
+            config[name], why = cap, (f"an expert's width, at most {EXPERT_FFN_CAP} (a multiple of {step}, tp "
+                                      f"{tp_lcm}): every expert is kept; the real ratio to hidden_size "
+                                      f"({real / hidden:.3g}) would give {config[name]}")
+        fields.append(Field(name, real, config[name], why))
     for name in LOW_RANK_FIELDS:
         real = config.get(name)
         if isinstance(real, int) and real > 0:
@@ -216,15 +243,93 @@ def _layers(config: dict, layouts: list, fields: list) -> None:
     stages = ", ".join(f"pp{pp} x vp{vp}: {config['num_hidden_layers'] // (pp * vp)} per chunk" for pp, vp in splits)
     fields.append(Field("num_hidden_layers", layers, config["num_hidden_layers"],
                         f"pp x vp chunks {chunks} x {per_chunk} per chunk (real {real_per_chunk}{capped}); {stages}"))
-    dense = config.get("first_k_dense_replace")
-    if isinstance(dense, int) and dense > 0:
-        config["first_k_dense_replace"] = min(dense, max(1, config["num_hidden_layers"] - 1))
-        fields.append(Field("first_k_dense_replace", dense, config["first_k_dense_replace"],
-                            "dense layers first, as the real model, leaving at least one MoE layer"))
+    _moe_placement(config, layers, fields)
     for name, value in list(config.items()):
-        if isinstance(value, list) and len(value) == layers and name != "architectures":
+        if isinstance(value, list) and len(value) == layers and name not in ("architectures",) + MOE_LAYER_FIELDS:
             config[name] = value[:config["num_hidden_layers"]]
             fields.append(Field(name, f"{layers} entries", f"{len(config[name])}", "one per layer: the first ones"))
+
+
+def _int(config: dict, name: str, default=None):
+    value = config.get(name, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def moe_layers(config: dict, layers: int | None = None) -> list:
+    """The layers of ``config`` (its ``num_hidden_layers``, or ``layers``) that are MoE, by the rule of
+    the fields it has (PaddleFormers 1.2's models): ``first_k_dense_replace`` / ``moe_layer_freq``
+    (DeepSeek-V3, GLM4-MoE: ``i >= k and i % freq == 0``), ``moe_layer_start_index`` /
+    ``moe_layer_end_index`` / ``moe_layer_interval`` (ERNIE-4.5-MoE: ``start <= i <= end`` (-1: the
+    last) ``and (i + 1) % interval == 0``), ``decoder_sparse_step`` / ``mlp_only_layers`` (Qwen2/3-MoE:
+    ``i not in mlp_only and (i + 1) % step == 0``); every layer for an MoE model with none of them;
+    none for a model without experts."""
+    layers = layers if layers is not None else _int(config, "num_hidden_layers", 0)
+    if _first(config, EXPERT_FIELDS) is None:
+        return []
+    if "moe_layer_start_index" in config:
+        start, end = _int(config, "moe_layer_start_index", 0), _int(config, "moe_layer_end_index", -1)
+        end = layers - 1 if end == -1 else end
+        interval = max(1, _int(config, "moe_layer_interval", 1))
+        return [i for i in range(layers) if start <= i <= end and (i + 1) % interval == 0]
+    if "decoder_sparse_step" in config or "mlp_only_layers" in config:
+        step, dense = max(1, _int(config, "decoder_sparse_step", 1)), set(config.get("mlp_only_layers") or [])
+        return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    first, freq = _int(config, "first_k_dense_replace", 0), max(1, _int(config, "moe_layer_freq", 1))
+    return [i for i in range(layers) if i >= first and i % freq == 0]
+
+
+def _spans(indices: list) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out, start = [], None
+    for i, v in enumerate(indices):
+        if start is None:
+            start = v
+        if i + 1 == len(indices) or indices[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out) or "none"
+
+
+def _moe_placement(config: dict, real_layers: int, fields: list) -> None:
+    """Which of the shrunk layers are MoE, shaped as the real model's (see the module docstring)."""
+    real = moe_layers(config, real_layers)
+    if not real:
+        return
+    layers = config["num_hidden_layers"]
+    last = max(1, layers - 1)  # the first layer an MoE layer can be when the real model starts dense
+
+    def keep(name, value, why):
+        fields.append(Field(name, config[name], value, why))
+        config[name] = value
+
+    for name, reserved in (("first_k_dense_replace", "dense layers first"), ("moe_layer_start_index", "the first "
+                                                                                "MoE layer")):
+        value = _int(config, name)
+        if value is not None and value > 0:
+            keep(name, min(value, last), f"{reserved} as the real model ({value}), leaving at least one MoE layer")
+    end = _int(config, "moe_layer_end_index")
+    if end is not None and end != -1:
+        start = _int(config, "moe_layer_start_index", 0)
+        keep("moe_layer_end_index", layers - 1 if end >= real_layers - 1 else max(min(end, layers - 1), start),
+             "the last MoE layer: the last layer where the real one is")
+    if isinstance(config.get("mlp_only_layers"), list) and config["mlp_only_layers"]:
+        keep("mlp_only_layers", [i for i in config["mlp_only_layers"] if i < layers], "the dense-only layers that "
+                                                                                      "still exist")
+    for name in ("moe_layer_freq", "moe_layer_interval", "decoder_sparse_step"):
+        value = _int(config, name)
+        if value is not None and value > layers:
+            keep(name, layers, f"a spacing no wider than the {layers} layers")
+    for name in ("moe_layer_freq", "moe_layer_interval", "decoder_sparse_step"):
+        if not moe_layers(config) and _int(config, name, 1) > 1:
+            keep(name, 1, f"every layer after the dense ones: spaced {config[name]} the {layers} layers had no MoE "
+                          f"layer")
+    shrunk = moe_layers(config)
+    if not shrunk:
+        raise ShrinkError(f"no MoE layer is left of the real model's ({_spans(real)} of {real_layers}) in "
+                          f"{layers} layers; shrink this configuration by hand")
+    fields.append(Field("MoE layers", f"{_spans(real)} of {real_layers}", f"{_spans(shrunk)} of {layers}",
+                        "the layers that are MoE, by the fields above" + (
+                            "; dense ones first, as the real model" if real[0] > 0 else "")))
 
 
 def _vocabulary(config: dict, layouts: list, fields: list) -> None:
@@ -255,8 +360,46 @@ def _experts(config: dict, layouts: list, fields: list) -> None:
         if experts % ep:
             raise ShrinkError(f"layout {layout.name}: {experts} experts over ep {ep} is not a whole number per rank; "
                               f"the real model cannot be split so either")
-    per_rank = ", ".join(f"{experts // ep} per rank at ep{ep}" for ep in _distinct(_degrees(l)["ep"] for l in layouts))
+    eps = _distinct(_degrees(l)["ep"] for l in layouts)
+    per_rank = ", ".join(f"{experts // ep} per rank at ep{ep}" for ep in eps)
     fields.append(Field(name, experts, experts, f"kept: {per_rank}, as the real model"))
+    _routing(config, experts, eps, fields)
+
+
+def _routing(config: dict, experts: int, eps: list, fields: list) -> None:
+    """Top-k, shared experts, routing groups: kept, each checked against the experts (see the module
+    docstring)."""
+    groups, chosen = _int(config, "n_group"), _int(config, "topk_group")
+    if groups is not None and groups > 0:
+        if experts % groups:
+            raise ShrinkError(f"{experts} experts do not split into {groups} routing groups (n_group): the real model "
+                              f"cannot route so either")
+        per_group = experts // groups
+        at_ep = ", ".join(f"at ep{ep} a rank holds {experts // ep} experts ({experts // ep / per_group:g} "
+                          f"group{'' if experts // ep == per_group else 's'})" for ep in eps if ep > 1)
+        fields.append(Field("n_group", groups, groups, f"kept: {groups} groups of {per_group} experts"
+                                                       + (f"; {at_ep}" if at_ep else "")))
+        if chosen is not None and chosen > 0:
+            if chosen > groups:
+                raise ShrinkError(f"topk_group {chosen} of {groups} routing groups: more groups chosen than there are")
+            fields.append(Field("topk_group", chosen, chosen, f"kept: each token's experts from its top {chosen} "
+                                                              f"groups of {groups}"))
+    top_k_name = _first(config, TOP_K_FIELDS)
+    if top_k_name is not None:
+        top_k = config[top_k_name]
+        offered = experts
+        if groups and chosen and groups > 0 and chosen > 0:
+            offered = chosen * (experts // groups)
+            if top_k > offered:
+                raise ShrinkError(f"top-{top_k} over {chosen} of {groups} groups of {experts // groups} experts: at "
+                                  f"most {offered} experts to choose from")
+        if top_k > offered:
+            raise ShrinkError(f"top-{top_k} over {experts} experts: more than there are")
+        fields.append(Field(top_k_name, top_k, top_k, f"kept: each token to {top_k} of the {experts} experts"))
+    shared_name = _first(config, SHARED_FIELDS)
+    if shared_name is not None:
+        fields.append(Field(shared_name, config[shared_name], config[shared_name],
+                            "kept: shared experts every token goes through, as the real model"))
 
 
 def sequence_of(args: list) -> int | None:

@@ -38,7 +38,8 @@ Written into the directory, per rank: ``rank<R>.json`` (its coordinates, its los
 descriptions, how its gradient slices join), ``grads.rank<R>.npz`` (step 1's gradients of the
 parameters this rank updated, its slices; a group-sharded stage-3 slice with its place in the
 group) and, from one rank of each pipeline stage (tensor-parallel rank 0 of the first data,
-sharding and sep replica; every other rank its own experts), ``params.rank<R>.<label>.npz`` with
+sharding and sep replica; every other rank its own experts, each held whole: an MoE layer's experts
+with an expert-parallel group, or marked ``expert`` / ``no_sync``), ``params.rank<R>.<label>.npz`` with
 whole values (``label`` start, step1, end); the reference run also
 ``allowance.rank<R>.<label>.npz`` (step1, end).
 """
@@ -51,7 +52,7 @@ import os
 import zlib
 
 from ...common import logical_params
-from ...common.replicas import describe_rank, group_sharded, inner_layer, sliced_by_stage3
+from ...common.replicas import describe_rank, expert_shards, group_sharded, inner_layer, sliced_by_stage3
 from ...registry.component import Component
 from .names import one_process_names, places
 
@@ -143,17 +144,21 @@ class Recorder:
         config = getattr(inner_layer(self.model), "config", None)
         named = one_process_names(self.model)
         slices = sliced_by_stage3(self.model)
+        experts = _expert_ids(self.model)
         writer = self._writer()
         values, shapes = {}, {}
         for name, param in named:
             if param.name in slices:
                 value = {"": _stage3_whole(param, group_sharded(self.model)[1])}
+            elif id(param) in experts:
+                # whole on the rank holding it (PaddleFormers marks an expert is_distributed: not a slice)
+                value = {"": logical_params._array(param)}
             else:
                 try:
                     value = logical_params.whole(param, mp, name, config)
                 except logical_params.NoSplitAxisError:
                     value = {"": logical_params._array(param)}
-            if writer or _own(param):
+            if writer or _own(param) or id(param) in experts:
                 for variant, array in value.items():
                     values[name + (VARIANT + variant if variant else "")] = array
             shapes[name] = {"local": list(param.shape), "split": logical_params.is_split(param)}
@@ -178,13 +183,15 @@ class Recorder:
 
         arrays = {}
         slices = sliced_by_stage3(self.model)
+        experts = _expert_ids(self.model)
         for name, param in named:
             # stage 3 hands the optimizer a slice parameter of its own (``fw_storage``) for a sliced one
             holder = getattr(param, "fw_storage", None) if param.name in slices else param
             seen = self.gradients.pop(id(holder), None)
             if seen is None:
                 continue
-            split = logical_params.is_split(param) and mp is not None and mp.nranks > 1
+            # an expert is whole on the rank holding it (PaddleFormers marks it is_distributed all the same)
+            split = logical_params.is_split(param) and mp is not None and mp.nranks > 1 and id(param) not in experts
             axis = getattr(param, "split_axis", None)
             if split and axis is None:
                 continue  # its whole value is unknown (the parameters say so: NoSplitAxisError)
@@ -212,6 +219,12 @@ class Recorder:
                   "replicas": self.replicas, "layout": self.plan.get("layout"), "gradients": self.gradient_meta}
         with open(os.path.join(self.directory, f"rank{self.rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+def _expert_ids(model) -> set:
+    """``id`` of every parameter of this rank's experts (the MoE layers with an expert-parallel group of 2
+    or more: :func:`~paddle_hybrid.common.replicas.expert_shards`); each is this rank's own, held whole."""
+    return {id(p) for _path, layer, _group in expert_shards(model) for p in layer.experts.parameters()}
 
 
 def _own(param) -> bool:

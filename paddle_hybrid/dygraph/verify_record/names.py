@@ -4,11 +4,13 @@
   chunk of its stage as a sublayer named by the chunk's first layer, the chunk's layers by their
   place in it: ``4.1.fc.weight`` is layer 4 + 1 = 5, which one process (and a pipeline without
   virtual stages) names ``5.fc.weight``.
-* **Experts.** With expert parallel each rank holds ``experts / ep`` of an MoE layer's experts,
-  numbered from 0 on every rank: local expert ``j`` of the rank at place ``r`` of the
-  expert-parallel group is expert ``r * local + j`` of the whole model (how Paddle's ``MoELayer``
-  and PaddleFormers' MoE layers number them; ``examples/moe_ep.py`` draws expert ``i``'s weights
-  by ``i``).
+* **Experts.** With expert parallel each rank holds ``experts / ep`` of an MoE layer's experts.
+  Paddle's ``MoELayer`` keeps only those, numbered from 0 on every rank: local expert ``j`` of the
+  rank at place ``r`` of the expert-parallel group is expert ``r * local + j`` of the whole model
+  (``examples/moe_ep.py`` draws expert ``i``'s weights by ``i``).  PaddleFormers' MoE layers
+  (``ModularMoELayer``, ERNIE-4.5-MoE's, ...) keep the whole list with ``None`` for the other ranks'
+  experts, so rank 1 of 2 holds ``experts.2`` and ``experts.3`` of 4: already the whole model's
+  numbers, kept as they are.
 
 :func:`one_process_names` gives ``[(name, parameter)]`` renamed so; :func:`places` says for each
 name its pipeline stage and virtual chunk (the verifier says where a difference is).
@@ -35,9 +37,12 @@ def _chunk_starts(layer) -> dict:
 
 
 def _expert_renames(model) -> list:
-    """``[(local prefix, whole-model prefix)]`` of every local expert."""
+    """``[(local prefix, whole-model prefix)]`` of every local expert of a layer that numbers its own
+    from 0 (none for a layer holding the whole list, ``None`` in the other ranks' places)."""
     out = []
     for path, layer, group in expert_shards(model):
+        if any(expert is None for expert in layer.experts):
+            continue  # the whole model's list: each expert at its own number
         local = len(layer.experts)
         for j in range(local):
             out.append((f"{path}.experts.{j}.", f"{path}.experts.{group.rank * local + j}."))
