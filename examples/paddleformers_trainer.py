@@ -98,9 +98,15 @@ FAMILIES = {
                 {"head_dim": 8, "num_local_experts": 2, "num_experts_per_tok": 1, "sliding_window": None,
                  "layer_types": ["full_attention", "full_attention"], "_attn_implementation": "eager"}),
     "gemma3_text": ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8}),
+    # MoE from layer 1 (4 experts, top-2, a shared expert) with DeepSeek-V3's own routing (sigmoid scores, noaux_tc,
+    # normalised and scaled weights; one group); its attention reads rope_parameters["factor"]
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    {"first_k_dense_replace": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
-                     "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 2, "num_experts_per_tok": 1}),
+                    {"first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                     "qk_nope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                     "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+                     "routed_scaling_factor": 2.5,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "factor": 1.0}}),
     "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
     # MoE from layer 1 (4 experts, top-2, a shared expert, the correction bias: PaddleFormers' defaults, which
     # its config.json keeps without the plugin); the MoE ops run on CPU through expert_parallel.moe_kernels
@@ -122,7 +128,7 @@ FAMILIES = {
                    "shared_expert_intermediate_size": 32, "norm_topk_prob": True}),
 }
 # Families whose modules import paddlefleet / paddlefleet_ops: the plugin's stand-ins let them import without.
-PADDLEFLEET_FAMILIES = ("qwen3_moe", "glm4_moe", "qwen2_moe")
+PADDLEFLEET_FAMILIES = ("qwen3_moe", "glm4_moe", "qwen2_moe", "deepseek_v3")
 
 
 def cpu_model_settings() -> dict:

@@ -26,6 +26,16 @@ fix                      what it mends (details in the module's docstring)
                          none is built); layers that cannot run under EP refused by
                          name (DeepEP-only layers without DeepEP, TP without SP,
                          Qwen2-MoE's own model)
+:mod:`.deepep_standin`   where DeepEP is absent, PaddleFormers' Flex token dispatcher
+                         (DeepSeek-V3 and GLM4-MoE's Flex layers, the modular layer's
+                         "deepep") could not be built under EP: DeepEP's dispatch and
+                         combine on gloo (``common.deepep_gloo``)
+:mod:`.deepseek_v3_sequence_parallel`  TP + sequence parallel: DeepSeek-V3's rotary key
+                         dropped the other ranks' heads' gradient; its MoE block's experts
+                         and router and, under EP, the Flex layer's gate trained from each
+                         rank's part (fixed; every device)
+:mod:`.ernie_moe_layouts`  ERNIE-4.5-MoE with its experts over TP and no sequence parallel
+                         routed each token once per TP rank (refused; every device)
 :mod:`.moe_sequence_parallel`  TP + sequence parallel: Qwen3-MoE's final norm and, under
                          EP, the modular MoE layer's gate trained from each rank's
                          part of the gradient (now marked sequence-parallel; every
@@ -112,7 +122,10 @@ MOE_NOTE = (f"; {MOE_COMMUNICATION_MODULE} likewise (the all-to-all MoE expert o
             "checkpoint rules, ernie_moe_checkpoint); nn.moe_deepep.modular_moe_layer, transformers.moe_layer and "
             "qwen2_moe.modeling likewise (expert parallelism: the all-to-all path without DeepEP's dispatcher, the "
             "layers that cannot run refused: moe_dispatcher); qwen3_moe.modeling and the modular MoE layer likewise "
-            "(sequence-parallel marks of Qwen3-MoE's final norm and, under EP, the gate: moe_sequence_parallel)")
+            "(sequence-parallel marks of Qwen3-MoE's final norm and, under EP, the gate: moe_sequence_parallel); "
+            "deepseek_v3.modeling and transformers.moe_layer likewise (sequence parallelism: DeepSeek-V3's rotary key "
+            "gathered with a reduce-scatter backward, the Flex layer's gate marked under EP: "
+            "deepseek_v3_sequence_parallel)")
 
 
 def _paddleformers_version() -> str:
@@ -172,7 +185,8 @@ def _hook_families(patcher: Patcher) -> None:
                       "the stand-ins of paddlefleet / paddlefleet_ops (sys.meta_path)")
     if not version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
         return
-    from . import families, moe_dispatcher, moe_sequence_parallel
+    from . import (deepep_standin, deepseek_v3_sequence_parallel, ernie_moe_layouts, families, moe_dispatcher,
+                   moe_sequence_parallel)
 
     for name in families.REFUSE_TENSOR_PARALLEL:
         cancel = when_imported(name, lambda module: families.refuse_in(patcher, module))
@@ -182,7 +196,13 @@ def _hook_families(patcher: Patcher) -> None:
                       (moe_dispatcher.FLEX_LAYER_MODULE, moe_dispatcher.apply_to_flex_layer),
                       (moe_dispatcher.QWEN2_MOE_MODULE, moe_dispatcher.apply_to_qwen2_moe),
                       (moe_sequence_parallel.QWEN3_MOE_MODULE, moe_sequence_parallel.apply_to_qwen3_moe),
-                      (moe_dispatcher.MODULAR_MODULE, moe_sequence_parallel.apply_to_modular)):
+                      (moe_dispatcher.MODULAR_MODULE, moe_sequence_parallel.apply_to_modular),
+                      (deepep_standin.TOKEN_DISPATCHER_MODULE, deepep_standin.apply_to_token_dispatcher),
+                      (deepseek_v3_sequence_parallel.DEEPSEEK_V3_MODULE,
+                       deepseek_v3_sequence_parallel.apply_to_deepseek_v3),
+                      (deepseek_v3_sequence_parallel.FLEX_LAYER_MODULE,
+                       deepseek_v3_sequence_parallel.apply_to_flex_layer),
+                      (ernie_moe_layouts.ERNIE_MOE_MODULE, ernie_moe_layouts.apply)):
         cancel = when_imported(name, lambda module, fix=fix: fix(patcher, module))
         patcher.on_revert(cancel, f"the wait for {name}")
 
@@ -198,6 +218,20 @@ def _standins_note() -> str:
             f"{' and '.join(m for m, p in paddlefleet_standins.NEEDS.items() if p in missing)}, "
             "AutoModelForCausalLM(Pipe) gives PaddleFormers' own ...Deprecated model of Qwen2/Qwen3(-MoE) and "
             "GLM4-MoE (paddlefleet_standins)")
+
+
+def _deepep_note() -> str:
+    """report()'s words for DeepEP's dispatch on gloo (:mod:`.deepep_standin`)."""
+    from . import paddlefleet_standins
+
+    if not version_supported(_paddleformers_version(), VERIFIED_PADDLEFORMERS):
+        return ""
+    where = ("DeepEP absent (no paddlefleet_ops)" if paddlefleet_standins.absent("paddlefleet_ops")
+             else "where paddlefleet_ops has no DeepEP")
+    return (f"; {where}: PaddleFormers' fused_dispatch / fused_combine (transformers.token_dispatcher and "
+            "fused_a2a; the Flex token dispatcher of DeepSeek-V3, of GLM4-MoE's Flex layer and of the modular MoE "
+            "layer's \"deepep\") run on gloo groups by the plugin's exchange at the import of token_dispatcher "
+            "(deepep_standin, common.deepep_gloo)")
 
 
 def _fix_sdpa_attention(patcher: Patcher, sdpa_attention) -> None:
@@ -267,7 +301,7 @@ def apply(config, patcher: Patcher) -> str:
         patcher.on_revert(cancel, f"the wait for {name}")
     _hook_families(patcher)
     return (f"fixes {TRAINER_MODULE} when it is imported (PaddleFormers {describe_versions(VERIFIED_PADDLEFORMERS)})"
-            f"{MOE_NOTE}{_standins_note()}")
+            f"{MOE_NOTE}{_standins_note()}{_deepep_note()}")
 
 
 # Verified on Paddle 3.2 and 3.3: the wait for the import itself (PaddleFormers 1.2 imports only on Paddle >= 3.3).

@@ -14,17 +14,30 @@ DeepEP dispatcher (``token_dispatcher = None``); with "deepep" it is built as be
 all-to-all path is three ``alltoall_single`` calls of ``transformers/moe_layer.py``'s ``_AllToAll``,
 which on a gloo group run on the plugin's all-to-all (``expert_parallel``).
 
+**The DeepEP path where DeepEP is absent.**  The Flex token dispatcher (``MoEFlexTokenLayer``:
+DeepSeek-V3's ``DeepseekV3MoEFlexToken``, GLM4-MoE's ``Glm4MoeFlexMoE``; and ``ModularMoELayer`` with
+"deepep") moves tokens with DeepEP's ``fused_dispatch`` / ``fused_combine``; where DeepEP is absent
+:mod:`.deepep_standin` supplies the plugin's gloo version of both
+(:mod:`paddle_hybrid.common.deepep_gloo`), which serves a gloo group.  So these
+layers build and train on a gloo expert-parallel group; :func:`flex_dispatch_serves` says whether a
+group is served (DeepEP, or the gloo version on a gloo group).
+
 **Refused by name** (:class:`ExpertParallelRefused`, at model construction, which the Trainer
 scripts do before ``Trainer.train``), each only under EP > 1:
 
-* ``ModularMoELayer`` with "deepep" where DeepEP is absent: names ``moe_token_dispatcher_type
+* ``ModularMoELayer`` with "deepep" where neither DeepEP nor the gloo version serves the
+  expert-parallel group (no DeepEP, a group that is not gloo): names ``moe_token_dispatcher_type
   "alltoall"`` (where stock stops on the ImportError above, without a word of what would run).
 * ``ModularMoELayer`` with tensor parallelism and without sequence parallelism (every device): its
   gate asserts ``sequence_parallel`` in the first forward (``moe_gate.py`` ``_cal_seq_aux_loss``, an
   ``AssertionError`` without a message); names ``--sequence_parallel true``.
-* ``MoEFlexTokenLayer`` (``transformers/moe_layer.py``: GLM4-MoE without ``use_unified_moe``,
-  ``Glm4MoeFlexMoE``; DeepSeek-V3, ``DeepseekV3MoEFlexToken``) where DeepEP is absent: DeepEP only.
-  GLM4-MoE: names ``use_unified_moe`` true with "alltoall"; DeepSeek-V3 has no other path.
+* ``MoEFlexTokenLayer`` (GLM4-MoE without ``use_unified_moe``; DeepSeek-V3) where neither DeepEP nor
+  the gloo version serves its group.  GLM4-MoE: names ``use_unified_moe`` true with "alltoall";
+  DeepSeek-V3 has no other path.
+* ``MoEFlexTokenLayer`` with tensor parallelism and without sequence parallelism (every device): every
+  tensor-parallel rank holds the same tokens and would dispatch each; GLM4-MoE's gate asserts
+  ``sequence_parallel`` at the first forward, DeepSeek-V3's attention stops on a reshape before;
+  names ``--sequence_parallel true``.
 * Qwen2-MoE's own model (``Qwen2MoeSparseMoeBlock``, in ``Qwen2MoeForCausalLMDeprecated`` and its
   pipe): it has no expert parallelism; every rank would hold every expert and the experts would train
   as data-parallel weights.  Refused on every device (paddlefleet's Qwen2-MoE is another class).
@@ -38,7 +51,7 @@ import sys
 from .families import FamilyRefused
 
 __all__ = ["MODULAR_MODULE", "FLEX_LAYER_MODULE", "QWEN2_MOE_MODULE", "ExpertParallelRefused", "ep_degree",
-           "deep_ep_available", "apply_to_modular", "apply_to_flex_layer", "apply_to_qwen2_moe"]
+           "deep_ep_available", "flex_dispatch_serves", "apply_to_modular", "apply_to_flex_layer", "apply_to_qwen2_moe"]
 
 MODULAR_MODULE = "paddleformers.nn.moe_deepep.modular_moe_layer"
 FLEX_LAYER_MODULE = "paddleformers.transformers.moe_layer"
@@ -80,9 +93,31 @@ def ep_degree() -> int:
 
 
 def deep_ep_available() -> bool:
-    """Whether PaddleFormers' token dispatcher has DeepEP's fused kernels (``fused_dispatch``)."""
+    """Whether PaddleFormers' token dispatcher has DeepEP's fused kernels (``fused_dispatch``; the
+    plugin's gloo version, :mod:`.deepep_standin`, is not DeepEP)."""
+    from .deepep_standin import gloo_installed
+
     dispatcher = sys.modules.get(TOKEN_DISPATCHER_MODULE)
-    return dispatcher is not None and getattr(dispatcher, "fused_dispatch", None) is not None
+    return (dispatcher is not None and getattr(dispatcher, "fused_dispatch", None) is not None
+            and not gloo_installed())
+
+
+def flex_dispatch_serves(group) -> bool:
+    """Whether PaddleFormers' Flex token dispatcher can move tokens over ``group``: DeepEP, or the
+    plugin's gloo version of it (:mod:`.deepep_standin`) on a gloo group."""
+    from ...common.deepep_gloo import serves
+    from .deepep_standin import gloo_installed
+
+    return deep_ep_available() or (gloo_installed() and serves(group))
+
+
+def _expert_group():
+    try:
+        from paddle.distributed import fleet
+
+        return fleet.get_hybrid_communicate_group().get_expert_parallel_group()
+    except Exception:  # noqa: BLE001  (as ep_degree: no hybrid group)
+        return None
 
 
 def _dispatcher_type(pretrained_config) -> str:
@@ -95,11 +130,12 @@ def _make_modular_init(original):
                  norm_topk_prob, expert_activation, moe_config, model_type, expert_class, transpose_gate_weight,
                  pretrained_config=None):
         kind = _dispatcher_type(pretrained_config)
-        if kind == "deepep" and ep_degree() > 1 and not deep_ep_available():
+        if kind == "deepep" and ep_degree() > 1 and not flex_dispatch_serves(_expert_group()):
             raise ExpertParallelRefused(
                 f"{FAMILY_NAMES.get(model_type, model_type)}: expert parallelism ({ep_degree()}) with "
                 "moe_token_dispatcher_type \"deepep\" (the default) needs DeepEP's fused kernels "
-                "(paddlefleet_ops.deep_ep, GPU only), which this build lacks. "
+                "(paddlefleet_ops.deep_ep, GPU only), which this build lacks, and the expert-parallel group is "
+                "not a gloo group (the plugin's gloo version of DeepEP's dispatch serves gloo groups only). "
                 "Set moe_token_dispatcher_type \"alltoall\" in the model's configuration (config.json, or "
                 f"--moe_token_dispatcher_type alltoall of examples/paddleformers_trainer.py). {WHERE}")
         tp = int(pretrained_config.get("tensor_model_parallel_size", 1) or 1) if pretrained_config is not None else 1
@@ -147,7 +183,7 @@ def apply_to_modular(patcher, modular) -> None:
 def _make_flex_init(original):
     @functools.wraps(original)
     def __init__(self, config, moe_num_experts, expert_class, expert_kwargs, gate, moe_group):
-        if moe_group is not None and not deep_ep_available():
+        if moe_group is not None and not flex_dispatch_serves(moe_group):
             import paddle.distributed as dist
 
             if dist.get_world_size(moe_group) > 1:
@@ -155,15 +191,30 @@ def _make_flex_init(original):
                                                                                               "expert parallelism"))
                 raise ExpertParallelRefused(
                     f"{family} ({type(self).__name__}) with expert parallelism ({dist.get_world_size(moe_group)}) "
-                    "dispatches tokens with DeepEP only (PaddleFormers' MoEFlexTokenLayer), and this build has no "
-                    f"DeepEP (paddlefleet_ops.deep_ep, GPU only): {instead}. {WHERE}")
+                    "dispatches tokens with DeepEP only (PaddleFormers' MoEFlexTokenLayer), this build has no "
+                    "DeepEP (paddlefleet_ops.deep_ep, GPU only), and the expert-parallel group is not a gloo group "
+                    f"(the plugin's gloo version of DeepEP's dispatch serves gloo groups only): {instead}. {WHERE}")
+        tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+        if moe_group is not None and tp > 1 and not getattr(config, "sequence_parallel", False):
+            import paddle.distributed as dist
+
+            if dist.get_world_size(moe_group) > 1:
+                family = FLEX_FAMILIES.get(type(self).__name__, (type(self).__name__,))[0]
+                raise ExpertParallelRefused(
+                    f"{family} ({type(self).__name__}) with expert parallelism ({dist.get_world_size(moe_group)}) "
+                    f"and tensor parallelism ({tp}) needs sequence parallelism (--sequence_parallel true): without "
+                    "it every tensor-parallel rank holds the same tokens and dispatches each of them, so every "
+                    "expert would count each token once per rank; its gate asserts sequence_parallel at the "
+                    "first forward (GLM4-MoE: an AssertionError without a message; DeepSeek-V3's attention stops "
+                    f"earlier on a reshape). {WHERE}")
         original(self, config, moe_num_experts, expert_class, expert_kwargs, gate, moe_group)
 
     return __init__
 
 
 def apply_to_flex_layer(patcher, moe_layer) -> None:
-    """``MoEFlexTokenLayer`` under EP > 1 without DeepEP: refused, naming the family."""
+    """``MoEFlexTokenLayer`` under EP > 1: refused where neither DeepEP nor the gloo version serves its
+    group, and with tensor parallelism without sequence parallelism, naming the family."""
     cls = patcher.require(moe_layer, "MoEFlexTokenLayer", FLEX_LAYER_MODULE)
     original = patcher.require(cls, "__init__", f"{FLEX_LAYER_MODULE}.MoEFlexTokenLayer")
     patcher.check_params(original, FLEX_PARAMS, f"{FLEX_LAYER_MODULE}.MoEFlexTokenLayer.__init__")

@@ -173,14 +173,16 @@ def test_refused_by_name_under_expert_parallelism(paddleformers_version):
             marked = held["sequence_parallel_marked"]
             assert all(f"{layer['name']}.gate.weight" in marked for layer in held["moe_layers"]), (where, marked)
             assert "model.norm.weight" in marked, (where, built, marked)
+        # DeepEP's dispatch on gloo (deepep_standin) serves the Flex token dispatcher on a gloo group
+        for built in ("qwen3_moe deepep", "glm4_moe without use_unified_moe", "deepseek_v3"):
+            error, held = cases[built]
+            assert error is None, (where, built, error)
+            assert held["moe_layers"] and all(layer["token_dispatcher"] == "MoEFlexTokenDispatcher"
+                                              for layer in held["moe_layers"]), (where, built, held["moe_layers"])
         refused = {
-            "qwen3_moe deepep": ("Qwen3-MoE: expert parallelism (2) with moe_token_dispatcher_type \"deepep\"",
-                                 "Set moe_token_dispatcher_type \"alltoall\""),
             "qwen3_moe alltoall without sequence parallel": (
                 "Qwen3-MoE: expert parallelism (2) with tensor parallelism", "--sequence_parallel true"),
-            "glm4_moe without use_unified_moe": ("GLM4-MoE (Glm4MoeFlexMoE)", "set use_unified_moe true"),
             "qwen2_moe": ("Qwen2-MoE with expert parallelism (2)", "has no expert parallelism"),
-            "deepseek_v3": ("DeepSeek-V3 (DeepseekV3MoEFlexToken)", "no other expert-parallel path"),
         }
         for case, words in refused.items():
             error, _ = cases[case]
