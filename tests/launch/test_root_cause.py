@@ -12,12 +12,16 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from paddle_hybrid.launch import exit_code as ec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 import root_cause_job  # noqa: E402  (benchmarks/root_cause_job.py: the benchmark's job, run here too)
 
+# the launcher's exit watcher and its rule (not Paddle's version): one CI lane, tests/conftest.py
+pytestmark = pytest.mark.one_lane
 REPEAT = 5  # the lowest-rank rule named rank 0 in 15 of 20 runs on a 2-core machine; 5 runs take ~25 s
 
 
