@@ -42,6 +42,8 @@ from __future__ import annotations
 import contextvars
 import functools
 
+from .moe_sequence_parallel import mark_trained
+
 __all__ = ["DEEPSEEK_V3_MODULE", "FLEX_LAYER_MODULE", "apply_to_deepseek_v3", "apply_to_flex_layer"]
 
 DEEPSEEK_V3_MODULE = "paddleformers.transformers.deepseek_v3.modeling"
@@ -81,21 +83,13 @@ def _make_attention_forward(original):
     return forward
 
 
-def _mark_replicated(weights) -> None:
-    from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
-
-    for weight in weights:
-        if not weight.stop_gradient:
-            mark_as_sequence_parallel_parameter(weight)
-
-
 def _make_moe_init(original):
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
         original(self, config, *args, **kwargs)
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         if tp > 1 and getattr(config, "sequence_parallel", False):  # whole on every rank, fed its own tokens
-            _mark_replicated(list(self.experts.parameters()) + list(self.gate.parameters()))
+            mark_trained(list(self.experts.parameters()) + list(self.gate.parameters()))
 
     return __init__
 
@@ -120,7 +114,7 @@ def _make_flex_init(original):
         original(self, config, *args, **kwargs)
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         if getattr(self, "ep_size", 1) > 1 and tp > 1 and getattr(config, "sequence_parallel", False):
-            _mark_replicated(self.gate.parameters())
+            mark_trained(self.gate.parameters())
 
     return __init__
 

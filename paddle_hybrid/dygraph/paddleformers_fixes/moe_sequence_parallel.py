@@ -33,10 +33,14 @@ __all__ = ["QWEN3_MOE_MODULE", "apply_to_qwen3_moe", "apply_to_modular"]
 QWEN3_MOE_MODULE = "paddleformers.transformers.qwen3_moe.modeling"
 
 
-def _mark(weight) -> None:
+def mark_trained(weights) -> None:
+    """Mark each trained weight of ``weights`` sequence-parallel: its gradient is summed over the TP group
+    (a weight held whole by every rank that sees only this rank's part of the tokens)."""
     from paddle.distributed.fleet.utils.sequence_parallel_utils import mark_as_sequence_parallel_parameter
 
-    mark_as_sequence_parallel_parameter(weight)
+    for weight in weights:
+        if not weight.stop_gradient:
+            mark_as_sequence_parallel_parameter(weight)
 
 
 def _make_model_init(original):
@@ -62,8 +66,7 @@ def _make_modular_init(original):
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if self.sequence_parallel and self.tensor_model_parallel_size > 1 and self.expert_model_parallel_size > 1:
-            for weight in self.gate.parameters():
-                _mark(weight)
+            mark_trained(self.gate.parameters())
 
     return __init__
 
