@@ -14,6 +14,9 @@ top-2), and the expert names the record gives.
   ``r * local + j``).  Both come out under the one-process name.
 * EP2 equals one process for both families: losses, every step-1 gradient (the experts' too: each
   held whole by one rank) and every parameter, each expert against the same expert of one process.
+  These runs were the evidence when the record was fixed; the suite runs the stronger EP4 of every
+  family instead (``tests/dygraph/paddleformers_fixes/test_moe_ep4_and_resume.py``: ranks 1-3 hold
+  experts 1-3, compared by those names), to keep CI within its time.
 
 Seen failing first: the layouts were refused ("a Trainer script cannot take ep2: expert parallel
 through the Trainer was not tried"); with the EP flags given by hand at ``sp2``, Qwen3-MoE's rank 1
@@ -22,10 +25,7 @@ experts came out as ``experts.6`` / ``experts.7`` (16 findings "in this layout, 
 (8 findings "in one process, not in this layout"), and no expert's step-1 gradient was compared
 (17 of Qwen3-MoE's 33 parameters; ERNIE's 15 of 23); the name unit test gave ``experts.6``.
 """
-import json
 import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -41,10 +41,6 @@ RUN = [*CPU, "--max_steps", "2", "--gradient_accumulation_steps", "2", "--per_de
        "--max_grad_norm", "1.0", "--save_strategy", "no"]
 EP_FLAGS = ["--tensor_model_parallel_size", "2", "--sequence_parallel", "true", "--use_expert_parallel", "true",
             "--expert_model_parallel_size", "2"]
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _pairs(args):
@@ -98,54 +94,3 @@ def test_expert_names_are_the_whole_models():
             "mlp.experts.3.weight"]
     for model in (whole_list, own_only):
         assert sorted(name for name, _ in one_process_names(model)) == want
-
-
-@pytest.fixture(scope="module")
-def paddleformers_ok():
-    import paddle
-
-    version = tuple(int(x) for x in paddle.__version__.split(".")[:2])
-    if version != (0, 0) and version < (3, 3):  # 0.0: a develop build, taken as new
-        pytest.skip(f"PaddleFormers 1.2.0 needs Paddle >= 3.3, this is {paddle.__version__}")
-
-
-def _tiny(tmp_path, family, **config_changes):
-    model = str(tmp_path / f"tiny-{family}")
-    subprocess.run([sys.executable, TRAINER, "write-tiny-model", model, "--family", family], check=True,
-                   capture_output=True, env=_env(), timeout=300)
-    if config_changes:
-        path = os.path.join(model, "config.json")
-        with open(path) as f:
-            config = json.load(f)
-        config.update(config_changes)
-        with open(path, "w") as f:
-            json.dump(config, f)
-    return model
-
-
-def _verify_equal(tmp_path, layout, model, *extra):
-    out = tmp_path / "verdict.json"
-    proc = subprocess.run([sys.executable, "-m", "paddle_hybrid.verify", "--layouts", layout, "--json", str(out),
-                           TRAINER, "--model_name_or_path", model, "--output_dir", "unused", *RUN, *extra],
-                          env=_env(), capture_output=True, text=True, timeout=600)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
-    verdict = json.loads(out.read_text())["layouts"][layout]
-    assert verdict["equal"] and not verdict["findings"], verdict
-    return verdict
-
-
-def test_qwen3_moe_ep2_equals_one_process(tmp_path, paddleformers_ok):
-    """PaddleFormers' ModularMoELayer on the all-to-all path; every weight of the 2 layers' 4 experts
-    compared (rank 0 holds experts 0 and 1, rank 1 experts 2 and 3), their step-1 gradients too."""
-    verdict = _verify_equal(tmp_path, "ep2", _tiny(tmp_path, "qwen3_moe"), "--moe_token_dispatcher_type", "alltoall")
-    assert verdict["grads_compared"] == 33, verdict  # 17 dense + 2 layers x 4 experts x 2 weights
-
-
-def test_ernie_moe_ep2_equals_one_process(tmp_path, paddleformers_ok):
-    """ERNIE-4.5-MoE's MoE group is the tensor-parallel group ("mp"); the routers' auxiliary losses
-    off (each is a loss of one micro-batch's routing, another number by design)."""
-    model = _tiny(tmp_path, "ernie4_5_moe", router_aux_loss_coef=0.0, moe_orthogonal_loss_lambda=0.0,
-                  router_z_loss_coef=0.0)
-    verdict = _verify_equal(tmp_path, "tp2ep2", model)
-    assert verdict["grads_compared"] == 23, verdict  # 15 others + layer 1's 4 experts x 2 weights

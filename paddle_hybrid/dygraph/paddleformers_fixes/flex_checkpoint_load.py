@@ -1,4 +1,5 @@
-"""The Trainer's flex-checkpoint resume (``Trainer._load_flex_checkpoint``): two defects.
+"""The Trainer's flex-checkpoint resume (``Trainer._load_flex_checkpoint``): two defects, and a resume
+refused (a fused gate/up projection at another tensor-parallel degree: :mod:`.fused_gate_up_resume`).
 
 Silent fresh moments: the resume gives a parameter fresh optimizer moments, silently, when
 the checkpoint holds no state under the name this layout gives it.
@@ -31,6 +32,7 @@ import threading
 
 from ...common.checkpoint_state import MOMENT_SUFFIXES, MissingOptimizerStateError
 from ...registry.patching import PatchSignatureError
+from . import fused_gate_up_resume
 
 __all__ = ["apply", "check_state_found"]
 
@@ -74,6 +76,7 @@ def _make_load_flex_checkpoint(stock):
         _loading.ignore_optimizer = bool(getattr(self.args, "ignore_load_lr_and_optim", False))
         _loading.active = True
         try:
+            fused_gate_up_resume.check(self.model, resume_from_checkpoint)  # before anything loads
             return stock(self, resume_from_checkpoint)
         finally:
             _loading.ignore_optimizer, _loading.active = held
