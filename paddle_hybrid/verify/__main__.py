@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                            "equal": v.equal, "first_step": v.first_step, "loss_diff": v.loss_diff,
                            "grad_diff": v.grad_diff, "grads_compared": v.grads_compared,
                            "param_diff": v.param_diff, "closest": v.closest, "largest": v.largest,
-                           "findings": v.findings,
+                           "findings": v.findings, "not_compared": v.not_compared,
                            "diverging": {k: [[n, d] for n, d in items[:10]] for k, items in v.diverging.items()}}
                            for name, v in verdicts.items()}}, f, indent=1)
     print(f"paddle_hybrid.verify: {time.time() - started:.0f} s in all", flush=True)
@@ -133,6 +133,9 @@ def _print_table(layouts, verdicts, failures, opts) -> None:
           f"element's tolerance (atol + rtol |p| + its rounding allowance; above 1 differs)")
     for name, v in verdicts.items():
         print(f"\n{name}:")
+        if v.not_compared:
+            print(f"  - not compared: {', '.join(v.not_compared)} (a parameter never trained in this layout, a buffer "
+                  "in one process)")
         if v.equal:
             print(f"  - equal within rounding: {_within(v, opts)}")
             continue

@@ -161,7 +161,8 @@ class Recorder:
             if writer or _own(param) or id(param) in experts:
                 for variant, array in value.items():
                     values[name + (VARIANT + variant if variant else "")] = array
-            shapes[name] = {"local": list(param.shape), "split": logical_params.is_split(param)}
+            shapes[name] = {"local": list(param.shape), "split": logical_params.is_split(param),
+                            "trained": not param.stop_gradient}
         self.replicas[label] = describe_rank(self.model, named)
         self.replicas[label]["shapes"] = shapes
         self.replicas[label]["aliases"] = logical_params.aliases(inner_layer(self.model))
