@@ -44,6 +44,11 @@ each named here:
    report() line says so (:data:`PADDLEFORMERS_MOE_NOTE`); ``expert_parallel``, where active, enters
    CPU kernels of the MoE ops into Paddle's kernel factory (no attribute replaced) and its report()
    line ends naming them (:data:`EXPERT_PARALLEL_NOTE`; ``tests/ops/test_moe_cpu_kernels.py``).
+12. (issue 53, items 2-4) ``paddleformers_fixes`` also waits for the modular and Flex MoE layers, Qwen2-MoE,
+   Qwen3-MoE, DeepSeek-V3 and the token dispatcher, stands in for paddlefleet / paddlefleet_ops where they
+   are absent and refuses two layouts; its report() line says so (:data:`PADDLEFORMERS_MOE_NOTE`, nothing
+   replaced until those modules are imported: ``tests/dygraph/paddleformers_fixes/test_moe_families.py``,
+   ``test_deepep_*.py``, ``test_ernie_moe_layouts.py``, ``test_moe_ep4_and_resume.py``).
 
 Everything else (every replaced attribute, its original and replacement, every other line of
 report()) is equal.  The history of the restructure before this one is in git (its baseline
@@ -118,11 +123,42 @@ PADDLEFORMERS_MOE_NOTE = ("; paddleformers.nn.moe_deepep.moe_communication likew
                           "AsyncLoad, the CPU build, a host copy for the asynchronous offload: moe_cpu_ops); "
                           "paddleformers.transformers.ernie4_5_moe.configuration and "
                           "paddleformers.transformers.ernie4_5_moe.modeling likewise (ERNIE-4.5-MoE's saved "
-                          "configuration and checkpoint rules, ernie_moe_checkpoint)")
+                          "configuration and checkpoint rules, ernie_moe_checkpoint)"
+                          # change 12 (issue 53, items 2-4)
+                          "; nn.moe_deepep.modular_moe_layer, transformers.moe_layer and qwen2_moe.modeling likewise "
+                          "(expert parallelism: the all-to-all path without DeepEP's dispatcher, the layers that "
+                          "cannot run refused: moe_dispatcher); qwen3_moe.modeling and the modular MoE layer likewise "
+                          "(sequence-parallel marks of Qwen3-MoE's final norm and, under EP, the gate: "
+                          "moe_sequence_parallel); deepseek_v3.modeling and transformers.moe_layer likewise (sequence "
+                          "parallelism: DeepSeek-V3's rotary key gathered with a reduce-scatter backward, its MoE "
+                          "block's experts and router and, under EP, the Flex layer's gate marked: "
+                          "deepseek_v3_sequence_parallel); ERNIE-4.5-MoE's experts over the TP group without sequence "
+                          "parallelism refused (ernie_moe_layouts); a flex checkpoint's fused gate/up projection "
+                          "resumed at another TP degree refused (fused_gate_up_resume)")
+# change 12: with PaddleFormers 1.2 installed (the 3.3.1 lane; the 3.2.2 lane has none), where paddlefleet is absent
+PADDLEFLEET_NOTES = ("; paddlefleet and paddlefleet_ops absent: stood in for at the import of "
+                     "paddleformers.transformers.gpt_provider and paddleformers.transformers.fused_a2a, "
+                     "AutoModelForCausalLM(Pipe) gives PaddleFormers' own ...Deprecated model of "
+                     "Qwen2/Qwen3(-MoE) and GLM4-MoE (paddlefleet_standins)"
+                     "; DeepEP absent (no paddlefleet_ops): PaddleFormers' fused_dispatch / fused_combine "
+                     "(transformers.token_dispatcher and fused_a2a; the Flex token dispatcher of DeepSeek-V3, of "
+                     "GLM4-MoE's Flex layer and of the modular MoE layer's \"deepep\") run on gloo groups by the "
+                     "plugin's exchange at the import of token_dispatcher (deepep_standin, common.deepep_gloo)")
 # change 11 (issue 53, item 1): the end of expert_parallel's report() line where it is active
 EXPERT_PARALLEL_NOTE = ("; CPU kernels for 9 MoE ops of PaddleFormers' nn/moe (18 entries)" if paddle.__version__.startswith("3.3.")
                         else f"; no CPU kernels for the MoE ops of PaddleFormers' nn/moe on Paddle {paddle.__version__} "
                              "(their arguments are Paddle 3.3.x's)")
+
+
+def _paddleformers_1_2() -> bool:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("paddleformers").startswith("1.2.")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 AUTO_PARALLEL_PATCHES = {  # change 5
     ("auto_parallel_cpu", "_ExecutorCache", "_get_pir_program_and_executor",
      "_ExecutorCache._get_pir_program_and_executor", "_ExecutorCache._get_pir_program_and_executor"),
@@ -210,7 +246,7 @@ def _expected(before_case):
         comps["auto_parallel_cpu"] = comps["auto_parallel_cpu"].replace(
             f"active: {count} ", f"active: {count + len(AUTO_PARALLEL_PATCHES)} ", 1)
     if comps.get("paddleformers_fixes", "").startswith("active"):  # change 10
-        comps["paddleformers_fixes"] += PADDLEFORMERS_MOE_NOTE
+        comps["paddleformers_fixes"] += PADDLEFORMERS_MOE_NOTE + (PADDLEFLEET_NOTES if _paddleformers_1_2() else "")
     if comps.get("expert_parallel", "").startswith("active"):  # change 11
         comps["expert_parallel"] += EXPERT_PARALLEL_NOTE
     comps.update(ADDED_COMPONENTS)

@@ -124,8 +124,10 @@ MOE_NOTE = (f"; {MOE_COMMUNICATION_MODULE} likewise (the all-to-all MoE expert o
             "layers that cannot run refused: moe_dispatcher); qwen3_moe.modeling and the modular MoE layer likewise "
             "(sequence-parallel marks of Qwen3-MoE's final norm and, under EP, the gate: moe_sequence_parallel); "
             "deepseek_v3.modeling and transformers.moe_layer likewise (sequence parallelism: DeepSeek-V3's rotary key "
-            "gathered with a reduce-scatter backward, the Flex layer's gate marked under EP: "
-            "deepseek_v3_sequence_parallel)")
+            "gathered with a reduce-scatter backward, its MoE block's experts and router and, under EP, the Flex "
+            "layer's gate marked: deepseek_v3_sequence_parallel); ERNIE-4.5-MoE's experts over the TP group without "
+            "sequence parallelism refused (ernie_moe_layouts); a flex checkpoint's fused gate/up projection resumed "
+            "at another TP degree refused (fused_gate_up_resume)")
 
 
 def _paddleformers_version() -> str:
