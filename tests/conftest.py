@@ -38,8 +38,9 @@ def plugin_restored():
 
 # CI runs the suite once per supported Paddle, two lanes side by side on 2 cores (.ci/run).  A module
 # marked ``one_lane`` tests what does not depend on Paddle's version (the launcher across machines,
-# the verifier across launchers, the dry run's accounting against a formula) at a cost that would put
-# CI over its budget twice: with PADDLE_HYBRID_TEST_ONE_LANE=skip (set by .ci/run in the 3.3.1 lane,
+# the verifier across launchers, the dry run's accounting against a formula), or what both lanes passed
+# when it moved and costs most where the 3.3.1 lane also carries PaddleFormers' tests (the dry run's fake
+# world against real runs of Paddle's own APIs), at a cost that would put CI over its budget twice: with PADDLE_HYBRID_TEST_ONE_LANE=skip (set by .ci/run in the 3.3.1 lane,
 # the long one) it is skipped there, saying so, and runs in the other lane.  Run alone, nothing is skipped.
 def pytest_configure(config):
     config.addinivalue_line("markers", "one_lane: runs in one of CI's two lanes only (see tests/conftest.py)")

@@ -51,6 +51,8 @@ import numpy as np
 import pytest
 
 from paddle_hybrid.testing import launch
+
+import moe_runs
 from test_paddleformers_llama import paddleformers_version  # noqa: F401  (the fixture: skip / fail / ok)
 from test_trainer import CPU_FLAGS, SCRIPT, _env
 
@@ -70,43 +72,15 @@ def work(tmp_path_factory, paddleformers_version):
 
 
 def _model(work, family):
-    path = os.path.join(work, f"tiny-{family}")
-    if not os.path.isdir(path):
-        proc = subprocess.run([sys.executable, SCRIPT, "write-tiny-model", path, "--family", family], env=_env(),
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return path
+    return moe_runs.tiny_model(work, family)
 
 
 def _train(work, family, name, nprocs, layout=()):
-    out = os.path.join(work, name)
-    args = [WORKER, "train", SCRIPT, "--model_name_or_path", _model(work, family), "--output_dir", out, *ARGS,
-            *layout]
-    cmd = [sys.executable, *args] if nprocs == 1 else [
-        sys.executable, "-m", "paddle_hybrid.launch", "--nproc_per_node", str(nprocs), "--log_dir", out + ".log", *args]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        logs = ""
-        for f in sorted(os.listdir(out + ".log")) if os.path.isdir(out + ".log") else []:
-            with open(os.path.join(out + ".log", f), errors="replace") as fh:
-                logs += f"\n--- {f}\n" + fh.read()[-2500:]
-        pytest.fail(f"{name} exited with {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}{logs}")
-    run = {"losses": {}, "start": {}, "end": {}, "meta": {}}
-    for rank in range(nprocs):
-        with open(os.path.join(out, f"progress.rank{rank}.json")) as f:
-            run["losses"][rank] = {int(k): v for k, v in json.load(f)["loss"].items()}
-        for label in ("start", "end"):
-            with np.load(os.path.join(out, f"{label}.rank{rank}.npz")) as data:
-                run[label][rank] = {k: data[k] for k in data.files}
-        with open(os.path.join(out, f"meta.rank{rank}.json")) as f:
-            run["meta"][rank] = json.load(f)
-    return run
+    """The example through the worker (cached per run): see ``moe_runs.train``."""
+    return moe_runs.train(WORKER, os.path.join(work, name), _model(work, family), nprocs, [*ARGS, *layout])
 
 
-def _whole(arrays, name, reference):
-    candidates = [arrays[k] for k in (name, f"{name}::by_part") if k in arrays and arrays[k].shape == reference.shape]
-    assert candidates, f"{name}: no value of shape {reference.shape}"
-    return min(candidates, key=lambda a: np.abs(a - reference).max())
+_whole = moe_runs.whole
 
 
 def test_deepseek_v3_expert_parallel_on_gloo_dispatch_equals_one_process(work):

@@ -127,7 +127,9 @@ def _premise(path, family):
 # --------------------------------------------------------------------------- EP4 equals one process
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "ernie4_5_moe", "deepseek_v3"])
+# GLM4-MoE's EP layer with use_unified_moe is Qwen3-MoE's (ModularMoELayer): its ep4 was equal by hand (losses 0,
+# step-1 gradients 1.2e-6); the suite keeps one run of each EP layer (CI time) and GLM4-MoE's EP2 (test_moe_families)
+@pytest.mark.parametrize("family", ["qwen3_moe", "ernie4_5_moe", "deepseek_v3"])
 def test_ep4_equals_one_process(work, family):
     out = os.path.join(work, f"verdict-{family}.json")
     proc = subprocess.run([sys.executable, "-m", "paddle_hybrid.verify", "--layouts", "ep4", "--json", out, SCRIPT,

@@ -83,7 +83,10 @@ def test_the_padded_families_are_the_ones_whose_model_pads():
             continue
         if getattr(getattr(classes, model_cls + "Pipe", None), "_embed_cls", None) is not None:
             continue
-        embedding = model(config).get_input_embeddings()
+        try:
+            embedding = model(config).get_input_embeddings()
+        except ImportError:  # paddlefleet's model (Qwen3), stood in for at import, needs paddlefleet to build
+            continue
         built.add(family)
         if getattr(embedding, "padding_idx", None) == 0:
             padded.add(config.model_type)
