@@ -127,7 +127,7 @@ class _Probe:
             # peak over five runs, 1.7-3.6 MiB without this, 1.69-1.73 MiB with it (the executor's own
             # schedule still moves it: docs/dryrun.md)
             gc.collect()
-            self.record["program"] = "pir" if static_programs._pir(program) else "legacy"
+            self.record["program"] = "pir" if static_programs.is_pir(program) else "legacy"
             # while the script's optimizer is alive (dist.shard_optimizer's axis); fleet.init's default
             # hybrid group, which dist.to_static makes, says nothing of the program's layout
             self.record["topology"] = _mesh_topology(self.optimizers) or _each_rank_alone()

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["activations", "gradients", "is_training", "micro_batch_size", "microbatches", "parameter_names",
-           "rank_program", "scope_bytes", "state_names"]
+__all__ = ["activations", "gradients", "is_pir", "is_training", "micro_batch_size", "microbatches",
+           "parameter_names", "rank_program", "scope_bytes", "state_names"]
 
 _OPTIMIZE = 2  # Paddle's OpRole.Optimize (a bit of the legacy op_role attribute; PIR's op_role value)
 _FORWARD, _BACKWARD = 0, 1
 
 
-def _pir(program) -> bool:
+def is_pir(program) -> bool:
     return not hasattr(program, "current_block_idx")  # a legacy Program keeps block indices; a PIR one does not
 
 
@@ -56,7 +56,7 @@ def is_training(program) -> bool:
     """Whether ``program`` updates parameters (holds an optimizer op)."""
     if program is None or not hasattr(program, "global_block"):
         return False
-    pir = _pir(program)
+    pir = is_pir(program)
     if pir:
         return any(_role(op, True) == _OPTIMIZE for op in _ops(program))
     return any(_role(op, False) & _OPTIMIZE and not _role(op, False) & 0x0010 for op in _ops(program))  # not LRSched
@@ -74,7 +74,7 @@ def state_names(program) -> list:
     """Names of the optimizer state ``program``'s optimizer ops keep (moments, beta powers, master
     weights: every persistable input but a parameter, a gradient and the learning rate; sharding's
     update may read a slice of its parameter, not the parameter itself)."""
-    pir, names = _pir(program), []
+    pir, names = is_pir(program), []
     parameters = set(parameter_names(program))
     block = program.global_block()
     for op in _ops(program):
@@ -170,7 +170,7 @@ def gradients(program) -> dict:
 
 
 def _optimizer_gradients(program) -> list:
-    pir, found, seen = _pir(program), [], set()
+    pir, found, seen = is_pir(program), [], set()
     block = program.global_block()
     for op in _ops(program):
         if not _role(op, pir) & _OPTIMIZE:
@@ -201,7 +201,7 @@ def activations(program, micro_batch_size: int | None = None) -> tuple:
     """``(bytes by kind, unsized)``: what one run of ``program``'s forward keeps for its backward (see
     the module docstring); kinds as the dygraph probe's (``square:<dtype>`` for ``[b, heads, s, s]``
     tensors, ``other:<dtype>``)."""
-    kept = _kept_for_backward_pir(program) if _pir(program) else _kept_for_backward_legacy(program)
+    kept = _kept_for_backward_pir(program) if is_pir(program) else _kept_for_backward_legacy(program)
     by_kind, unsized = {}, 0
     batch = micro_batch_size
     for value in kept:
@@ -256,10 +256,11 @@ def micro_batch_size(program) -> int | None:
 
 
 def microbatches(program) -> int:
-    """Microbatches a step runs the program's forward for: a static pipeline's or gradient merge's
-    accumulate steps where the program says so, else 1."""
-    for source in (getattr(program, "_pipeline_opt", None) or {}, ):
+    """Microbatches a step runs a legacy pipeline program's forward for (fleet's ``_pipeline_opt``), else 1
+    (a PIR plan's count comes from the executor's plan)."""
+    opt = getattr(program, "_pipeline_opt", None)
+    if isinstance(opt, dict):
         for key in ("accumulate_steps", "num_microbatches"):
-            if isinstance(source, dict) and source.get(key):
-                return int(source[key])
+            if opt.get(key):
+                return int(opt[key])
     return 1

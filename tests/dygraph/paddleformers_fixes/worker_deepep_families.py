@@ -44,29 +44,8 @@ def _count_calls():
 
 def _dump(label, model, output_dir):
     import numpy as np
-    from paddle.distributed import fleet
-    from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
 
-    from paddle_hybrid.common.logical_params import named_parameters, unwrap, whole
-
-    inner = unwrap(model)
-    try:
-        group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
-    except Exception:  # noqa: BLE001  (one process: no hybrid group)
-        group = None
-    arrays, experts, marked = {}, [], []
-    for name, param in named_parameters(inner):
-        if is_sequence_parallel_parameter(param):
-            marked.append(name)
-        if getattr(param, "expert", False) or getattr(param, "no_sync", False):
-            arrays[name] = param.numpy()
-            experts.append(name)
-            continue
-        if getattr(param, "is_distributed", False) and getattr(param, "split_axis", None) is None:
-            arrays[name] = param.numpy()  # held whole (the gate's correction bias)
-            continue
-        for key, value in whole(param, group, name, inner.config).items():
-            arrays[name + (f"::{key}" if key else "")] = value
+    inner, arrays, experts, marked = base.whole_parameters(model)
     rank = base._rank()
     np.savez(os.path.join(output_dir, f"{label}.rank{rank}.npz"), **arrays)
     if label == "end":

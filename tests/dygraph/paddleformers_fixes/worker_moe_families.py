@@ -46,8 +46,10 @@ def _moe_layers(model):
     return out
 
 
-def _dump(label, model, output_dir):
-    """Every parameter's whole value (a collective over the tensor-parallel group)."""
+def whole_parameters(model):
+    """``(inner model, {name: whole value}, expert names, sequence-parallel-marked names)``: every
+    parameter's whole value (a collective over the tensor-parallel group); an expert, and a weight marked
+    distributed without a split axis (DeepSeek-V3's gate correction bias), as this rank holds it."""
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils.sequence_parallel_utils import is_sequence_parallel_parameter
 
@@ -66,8 +68,17 @@ def _dump(label, model, output_dir):
             arrays[name] = param.numpy()
             experts.append(name)
             continue
+        if getattr(param, "is_distributed", False) and getattr(param, "split_axis", None) is None:
+            arrays[name] = param.numpy()  # held whole
+            continue
         for key, value in whole(param, group, name, inner.config).items():
             arrays[name + (f"::{key}" if key else "")] = value
+    return inner, arrays, experts, marked
+
+
+def _dump(label, model, output_dir):
+    """Every parameter's whole value, and at the end what the model holds (meta)."""
+    inner, arrays, experts, marked = whole_parameters(model)
     rank = _rank()
     np.savez(os.path.join(output_dir, f"{label}.rank{rank}.npz"), **arrays)
     if label == "end":
